@@ -1,0 +1,51 @@
+"""Flags shared by the commands that load a model: the fields of EngineConfig and DecodeParams."""
+from __future__ import annotations
+
+import argparse
+
+from ..config import EngineConfig
+from ..decoding.params import DecodeParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and runtime")
+    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
+    g.add_argument("--random-weights", metavar="PRESET",
+                   help="random weights in memory with a preset's shapes (tiny, llada2-mini, llada2-flash, ...)")
+    g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
+    g.add_argument("--seed", type=int, default=0, help="random-weights seed")
+    g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--expert-budget", default="1.0",
+                   help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
+    g.add_argument("--policy", default="lru", help="expert residency policy")
+    g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
+    g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
+    g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
+    g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    d = DecodeParams()
+    g = p.add_argument_group("decoding")
+    g.add_argument("--gen-length", type=int, default=d.gen_length, help="tokens to generate at most")
+    g.add_argument("--block-length", type=int, help="diffusion block size (default: the model's)")
+    g.add_argument("--steps", type=int, help="iterations per block of the minimum schedule (default: block)")
+    g.add_argument("--threshold", type=float, default=d.threshold, help="commit confidence threshold")
+    g.add_argument("--rule", default=d.rule, choices=["threshold", "low_confidence"])
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--sample-seed", dest="sample_seed", type=int, help="sampling seed")
+    g.add_argument("--cache", default=d.cache, choices=["none", "prefix", "dual"])
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, random_weights=args.random_weights, layers=args.layers, seed=args.seed,
+                        device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
+                        tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
+                        pin_memory=args.pin_memory, profile=getattr(args, "profile", False))
+
+
+def decode_params(args) -> DecodeParams:
+    return DecodeParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                        threshold=args.threshold, rule=args.rule, temperature=args.temperature,
+                        seed=args.sample_seed, cache=args.cache)

@@ -1,0 +1,22 @@
+"""`oled synth --preset P OUT_DIR`: write a random-weight checkpoint in the published layout."""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    from ..synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint with a preset's shapes")
+    p.add_argument("out_dir")
+    p.add_argument("--preset", required=True, choices=PRESETS)
+    p.add_argument("--layers", type=int, help="override num_hidden_layers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gib", type=float, default=2.0, help="shard size")
+
+
+def run(args) -> int:
+    from ..synth import preset_config, write_checkpoint
+
+    out = write_checkpoint(preset_config(args.preset, args.layers), args.out_dir, seed=args.seed,
+                           shard_bytes=int(args.shard_gib * 2**30), progress=True)
+    print(out)
+    return 0

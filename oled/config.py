@@ -1,0 +1,24 @@
+"""EngineConfig: one dataclass whose fields are the engine's CLI flags."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None              # checkpoint directory; None: the bundled tiny model
+    random_weights: str | None = None     # a preset with random weights in memory instead of a checkpoint
+    layers: int | None = None             # override num_hidden_layers of a random-weights preset
+    seed: int = 0                         # random-weights seed
+    device: str | None = None             # default: cuda if available, else cpu
+    dtype: str | None = None              # default: bfloat16 on cuda, float32 on cpu
+    expert_budget: str = "1.0"            # fraction (0.4), percentage (40%) or size (12GiB) of routed-expert bytes
+    policy: str = "lru"
+    tide_tau: int | None = None           # tide: refresh period in iterations
+    popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
+    cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores)
+    pin_memory: bool = True
+    profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
+
+    def to_dict(self) -> dict:
+        return asdict(self)

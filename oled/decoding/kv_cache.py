@@ -1,0 +1,70 @@
+"""The KV cache and the cache modes: which tokens each forward runs and which keys it attends.
+
+For block-causal models (LLaDA2) the K/V of a finished block never change, so the prefix cache is exact: prefill
+the prompt's full blocks once, run only the current block per iteration, and write a finished block's final K/V
+once. For fully bidirectional models (LLaDA-MoE) every cache is an approximation refreshed at each block's first
+iteration: `prefix` reruns the current block and everything after it, `dual` only the current block.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device):
+        shape = (config.num_kv_heads, max_len, config.head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+
+class CacheMode:
+    """Strategy: forward(tokens, start, kv_end, rows, kind) runs the model on canvas[start:start+len(tokens)]."""
+
+    def __init__(self, block_causal: bool):
+        self.block_causal = block_causal
+
+    def prefill(self, forward, canvas, block_start: int) -> None:
+        pass
+
+    def block_logits(self, forward, canvas, bs: int, be: int, step: int):
+        raise NotImplementedError
+
+    def finish_block(self, forward, canvas, bs: int, be: int) -> None:
+        pass
+
+
+class NoCache(CacheMode):
+    """The reference: every iteration recomputes everything the block can see."""
+
+    def block_logits(self, forward, canvas, bs, be, step):
+        end = be if self.block_causal else len(canvas)
+        return forward(canvas[:end], 0, end, slice(bs, be), "iteration")
+
+
+class PrefixCache(CacheMode):
+    def prefill(self, forward, canvas, block_start):
+        if self.block_causal and block_start > 0:
+            forward(canvas[:block_start], 0, block_start, None, "prefill")
+
+    def block_logits(self, forward, canvas, bs, be, step):
+        if self.block_causal:
+            return forward(canvas[bs:be], bs, be, slice(None), "iteration")
+        if step == 0:   # refresh: the whole canvas, which also rewrites the prefix K/V
+            return forward(canvas, 0, len(canvas), slice(bs, be), "iteration")
+        return forward(canvas[bs:], bs, len(canvas), slice(0, be - bs), "iteration")
+
+    def finish_block(self, forward, canvas, bs, be):
+        if self.block_causal:   # the block's final tokens: write their K/V once for the blocks after it
+            forward(canvas[bs:be], bs, be, None, "cache_fill")
+
+
+class DualCache(PrefixCache):
+    def block_logits(self, forward, canvas, bs, be, step):
+        if self.block_causal or step == 0:
+            return super().block_logits(forward, canvas, bs, be, step)
+        return forward(canvas[bs:be], bs, len(canvas), slice(None), "iteration")
+
+
+CACHE_MODES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache}

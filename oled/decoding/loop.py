@@ -1,0 +1,151 @@
+"""The block-diffusion decoding loop (DESIGN.md section 4.3). One loop; the rule and the cache mode are injected.
+
+Bookkeeping (canvas, block state) is NumPy on the host; each iteration moves one block of predictions to the host.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..models.config import ModelConfig
+from ..policies.base import IterationEvent
+from .kv_cache import CACHE_MODES, KVCache
+from .params import DecodeParams
+from .rules import make_rule, predict, transfer_schedule
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str                   # "stop" (EOS) or "length"
+    nfe: int = 0                         # denoising forwards
+    cache_forwards: int = 0              # prefill and cache-fill forwards
+    iterations_per_block: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    text: str | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.token_ids) / max(self.nfe, 1)
+
+    @property
+    def tpot_s(self) -> float:
+        """Decode wall time (prefill excluded) per generated token, EOS included."""
+        return self.decode_s / max(len(self.token_ids), 1)
+
+    def counters(self) -> dict:
+        return {"generated_tokens": len(self.token_ids), "nfe": self.nfe, "cache_forwards": self.cache_forwards,
+                "tokens_per_forward": self.tokens_per_forward, "iterations_per_block": self.iterations_per_block,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tpot_s": self.tpot_s,
+                "finish_reason": self.finish_reason}
+
+
+class ContextTooLong(ValueError):
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None,
+             cancelled=None) -> GenerationResult:
+    """Decode one request. on_block(new_token_ids, finished) is called as each block commits (streaming);
+    cancelled() -> True stops at the next iteration (client gone)."""
+    config: ModelConfig = model.config
+    device = model.embed.weight.device
+    B = params.block_length or config.block_length
+    steps = params.steps or B
+    schedule = transfer_schedule(B, steps)
+    rule = make_rule(params.rule, params.threshold)
+    mask_id, eos_id = config.mask_token_id, config.eos_token_id
+    P = len(prompt_ids)
+    if P == 0:
+        raise ValueError("the prompt is empty")
+    total = math.ceil((P + params.gen_length) / B) * B
+    if total > config.max_position_embeddings:
+        raise ContextTooLong(f"prompt ({P} tokens) + generation ({params.gen_length}) padded to blocks of {B} is "
+                             f"{total} positions; the model supports {config.max_position_embeddings}")
+    canvas = np.full(total, mask_id, dtype=np.int64)
+    canvas[:P] = prompt_ids
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else 0)
+    kv = KVCache(config, total, model.embed.weight.dtype, device)
+    mode = CACHE_MODES[params.cache](config.block_causal)
+    result = GenerationResult(token_ids=[], finish_reason="length")
+    kwargs = {} if timer is None else {"timer": timer}
+
+    def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
+        ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
+        manager.begin_forward(kind)
+        out = model(ids, start, kv, kv_end, rows, **kwargs)
+        if kind == "iteration":
+            result.nfe += 1
+        else:
+            result.cache_forwards += 1
+            manager.end_forward()
+        return out
+
+    manager.on_request_start()
+    t0 = time.perf_counter()
+    first_block = P // B
+    mode.prefill(forward, canvas, first_block * B)
+    _sync(device)
+    t1 = time.perf_counter()
+    result.prefill_s = t1 - t0
+    iteration = 0
+    emitted = P
+    for b in range(first_block, total // B):
+        bs, be = b * B, (b + 1) * B
+        step = 0
+        while True:
+            masked = canvas[bs:be] == mask_id
+            masked[: max(P - bs, 0)] = False          # prompt positions are never decoded
+            if not masked.any():
+                break
+            if cancelled is not None and cancelled():
+                result.finish_reason = "cancelled"
+                break
+            logits = mode.block_logits(forward, canvas, bs, be, step)
+            x0, conf = predict(logits, params.temperature, generator)
+            host = torch.stack([x0.double(), conf.double()]).cpu().numpy()
+            manager.end_forward()
+            x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
+            commit = rule.select(conf_h, schedule[step] if step < len(schedule) else 1)
+            canvas[bs:be][commit] = x0_h[commit]
+            state = np.where(commit, IterationEvent.COMMITTED,
+                             np.where(masked, IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
+            done = not (canvas[bs:be] == mask_id)[max(P - bs, 0):].any()
+            manager.on_iteration(IterationEvent(block=b, step=step, iteration=iteration, state=state,
+                                                confidence=conf_h, block_done=done))
+            iteration += 1
+            step += 1
+        if result.finish_reason == "cancelled":
+            break
+        mode.finish_block(forward, canvas, bs, be)
+        result.iterations_per_block.append(step)
+        new_end = min(be, P + params.gen_length)
+        new = canvas[emitted:new_end].tolist()
+        eos_at = new.index(eos_id) if eos_id in new else -1
+        if eos_at >= 0:
+            new = new[: eos_at + 1]
+        result.token_ids.extend(new)
+        emitted = new_end
+        finished = eos_at >= 0 or eos_id in canvas[max(bs, P):be] or new_end >= P + params.gen_length
+        if on_block is not None:
+            on_block(new, finished)
+        if eos_at >= 0:
+            result.finish_reason = "stop"
+        if finished:
+            break
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    return result

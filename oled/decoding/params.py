@@ -1,0 +1,33 @@
+"""Decoding parameters of one request (the diffusion knobs plus sampling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeParams:
+    gen_length: int = 256
+    block_length: int | None = None      # None: the model's default (config or architecture table)
+    steps: int | None = None             # iterations per block of the minimum-tokens schedule; None: block_length
+    threshold: float | None = 0.95       # commit every masked position above it; None: fixed-steps rule only
+    rule: str = "threshold"              # "threshold" (LLaDA2) or "low_confidence" (LLaDA fixed steps)
+    temperature: float = 0.0             # 0: greedy
+    seed: int | None = None
+    cache: str = "prefix"                # "none", "prefix" or "dual"
+    stop: tuple[str, ...] = ()
+
+    def validate(self, max_positions: int | None = None) -> None:
+        if self.gen_length <= 0:
+            raise ValueError(f"gen_length must be positive, got {self.gen_length}")
+        if self.block_length is not None and self.block_length <= 0:
+            raise ValueError(f"block_length must be positive, got {self.block_length}")
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.rule not in ("threshold", "low_confidence"):
+            raise ValueError(f"rule must be 'threshold' or 'low_confidence', got {self.rule!r}")
+        if self.cache not in ("none", "prefix", "dual"):
+            raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}")

@@ -1,0 +1,91 @@
+"""Engine: builds the model, the expert store, the expert manager and the tokenizer from an EngineConfig."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .decoding.loop import GenerationResult, generate
+from .decoding.params import DecodeParams
+from .loader import build_empty, load_checkpoint, load_tensors
+from .models.config import config_from_dict
+from .policies import make_policy
+from .runtime.budget import parse_budget
+from .runtime.manager import ExpertManager
+from .runtime.timer import SectionTimer
+from .synth import build_tokenizer, preset_config, random_tensors
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("oled")
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def default_model_dir() -> Path:
+    from importlib import resources
+    return Path(str(resources.files("oled").joinpath("assets/tiny-model")))
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, progress: bool = False):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(DTYPES)}")
+        self.dtype = DTYPES[dtype_name]
+        pin = cfg.pin_memory and self.device.type == "cuda"
+        if cfg.random_weights:
+            raw = preset_config(cfg.random_weights, cfg.layers)
+            config = config_from_dict(raw)
+            loaded = build_empty(config, self.dtype, self.device, pin)
+            gen_device = self.device if self.device.type == "cuda" else "cpu"
+            load_tensors(loaded, random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype))
+            self.tokenizer = Tokenizer(build_tokenizer(config))
+            self.model_name = f"random:{cfg.random_weights}"
+        else:
+            model_dir = Path(cfg.model) if cfg.model else default_model_dir()
+            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.model_name = model_dir.name
+        self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
+        self.budget = parse_budget(cfg.expert_budget, num_layers=len(self.config.moe_layers),
+                                   num_experts=self.config.num_experts, expert_bytes=self.store.expert_bytes)
+        self._check_fits()
+        self.timer = SectionTimer(self.device) if cfg.profile else None
+        self.policy = make_policy(cfg.policy, tau=cfg.tide_tau, popularity=cfg.popularity)
+        cpu_kernel = None
+        if self.policy.uses_cpu:
+            from .runtime.cpu_kernel import CpuExpertKernel
+            cpu_kernel = CpuExpertKernel(num_threads=cfg.cpu_threads)
+        self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
+        for block in self.model.moe_blocks():
+            block.experts = self.manager
+            self.manager.predictors[block.layer_idx] = block.route
+
+    def _check_fits(self) -> None:
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if self.budget.bytes > free:
+            raise ValueError(f"expert budget {self.budget.bytes / 2**30:.1f} GiB does not fit in the "
+                             f"{free / 2**30:.1f} GiB free on {self.device}")
+
+    @property
+    def non_expert_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def generate_ids(self, prompt_ids: list[int], params: DecodeParams, on_block=None,
+                     cancelled=None) -> GenerationResult:
+        params.validate()
+        return generate(self.model, self.manager, prompt_ids, params, on_block=on_block, timer=self.timer,
+                        cancelled=cancelled)
+
+    def describe(self) -> str:
+        return (f"{self.model_name} ({self.config.model_type}, {self.config.num_layers} layers, "
+                f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
+                f"policy {self.policy.name}; {self.budget.describe()}; non-expert weights "
+                f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
+                f"{' pinned' if self.store.pinned else ''}")

@@ -1,0 +1,78 @@
+"""The Python API: `oled.LLM(...)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .config import EngineConfig
+from .decoding.params import DecodeParams
+from .engine import Engine
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+_DECODE_FIELDS = {f.name for f in fields(DecodeParams)}
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    counters: dict = field(default_factory=dict)
+
+
+class LLM:
+    """LLM("path/to/checkpoint") or LLM(random_weights="llada2-mini"), with engine options as keywords
+    (device, dtype, expert_budget, policy, ...: see EngineConfig)."""
+
+    def __init__(self, model: str | None = None, **options):
+        unknown = set(options) - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        if model is not None and model.startswith("random:"):
+            options["random_weights"], model = model.split(":", 1)[1], None
+        self.engine = Engine(EngineConfig(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+
+    def _params(self, params: dict) -> DecodeParams:
+        unknown = set(params) - _DECODE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown decoding parameter(s): {', '.join(sorted(unknown))}")
+        return DecodeParams(**params)
+
+    def generate(self, prompts: str | list[str] | None = None, *, prompt_token_ids=None, on_block=None,
+                 **params) -> Output | list[Output]:
+        """Generate for one prompt (returns an Output) or a list (returns a list). on_block(text_so_far, ids, done)
+        streams each committed block."""
+        single = isinstance(prompts, str) or (prompt_token_ids is not None and prompt_token_ids
+                                              and isinstance(prompt_token_ids[0], int))
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("give prompts or prompt_token_ids")
+            batch = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        else:
+            batch = [list(prompt_token_ids)] if single else [list(p) for p in prompt_token_ids]
+        outs = [self._one(ids, self._params(params), on_block) for ids in batch]
+        return outs[0] if single else outs
+
+    def chat(self, messages: list[dict], **params) -> Output:
+        return self.generate(self.tokenizer.chat_prompt(messages), **params)
+
+    def _one(self, prompt_ids: list[int], params: DecodeParams, on_block) -> Output:
+        ids: list[int] = []
+
+        def stream(new_ids, finished):
+            ids.extend(new_ids)
+            if on_block is not None:
+                on_block(self.tokenizer.decode(ids), new_ids, finished)
+
+        res = self.engine.generate_ids(prompt_ids, params, on_block=stream)
+        text = self.tokenizer.decode(res.token_ids)
+        finish = res.finish_reason
+        for s in params.stop:
+            if s and s in text:
+                text, finish = text[: text.index(s)], "stop"
+        return Output(text=text, token_ids=res.token_ids, prompt_token_ids=prompt_ids, finish_reason=finish,
+                      counters=res.counters())
+
+    def stats(self) -> dict:
+        return self.engine.manager.stats.summary()

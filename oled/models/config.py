@@ -1,0 +1,180 @@
+"""Model configuration: the fields the engine needs, read from a Hugging Face ``config.json``.
+
+Each supported ``model_type`` has one entry in ``ARCHITECTURES`` that maps its config keys onto ``ModelConfig`` and
+supplies the defaults the published configs leave out (token ids, block length). Nothing else in the engine knows
+about architecture names.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config cannot be used (unsupported architecture, missing key)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    qk_norm: bool
+    fused_qkv: bool                 # LLaDA2: one query_key_value matrix; LLaDA-MoE: q/k/v/o projections
+    num_dense_layers: int           # the first layers use a dense MLP instead of MoE
+    dense_intermediate_size: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    num_shared_experts: int
+    shared_intermediate_size: int
+    router: str                     # "sigmoid_group" (LLaDA2) or "softmax" (LLaDA-MoE)
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    use_expert_bias: bool
+    block_causal: bool              # LLaDA2: block-causal attention, so a prefix KV cache is exact
+    mask_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    block_length: int
+    max_position_embeddings: int
+    torch_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.num_dense_layers, self.num_layers))
+
+    @property
+    def expert_numel(self) -> int:
+        """Parameters of one routed expert (gate, up and down)."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def expert_bytes(self, itemsize: int) -> int:
+        return self.expert_numel * itemsize
+
+    def total_expert_bytes(self, itemsize: int) -> int:
+        return len(self.moe_layers) * self.num_experts * self.expert_bytes(itemsize)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def _get(raw: dict, *keys: str, default: Any = ConfigError):
+    for key in keys:
+        if key in raw and raw[key] is not None:
+            return raw[key]
+    if default is ConfigError:
+        raise ConfigError(f"config.json lacks required key {keys[0]!r}")
+    return default
+
+
+def _llada2(raw: dict) -> dict:
+    hidden = _get(raw, "hidden_size")
+    heads = _get(raw, "num_attention_heads")
+    head_dim = _get(raw, "head_dim", default=hidden // heads)
+    rotary_dim = _get(raw, "rotary_dim", default=int(head_dim * _get(raw, "partial_rotary_factor", default=1.0)))
+    expert_inter = _get(raw, "moe_intermediate_size")
+    return dict(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", default=heads),
+        head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=float(_get(raw, "rope_theta", default=600000.0)),
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
+        qk_norm=True,  # the official class applies QK-norm although config.json does not say so
+        fused_qkv=True,
+        num_dense_layers=_get(raw, "first_k_dense_replace", default=0),
+        dense_intermediate_size=_get(raw, "intermediate_size"),
+        num_experts=_get(raw, "num_experts"), top_k=_get(raw, "num_experts_per_tok"),
+        expert_intermediate_size=expert_inter,
+        num_shared_experts=_get(raw, "num_shared_experts", default=0),
+        shared_intermediate_size=expert_inter * _get(raw, "num_shared_experts", default=0),
+        router="sigmoid_group", n_group=_get(raw, "n_group", default=1), topk_group=_get(raw, "topk_group", default=1),
+        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
+        norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=True)),
+        use_expert_bias=bool(_get(raw, "moe_router_enable_expert_bias", default=True)),
+        block_causal=True,
+    )
+
+
+def _lladamoe(raw: dict) -> dict:
+    hidden = _get(raw, "hidden_size")
+    heads = _get(raw, "num_attention_heads")
+    head_dim = _get(raw, "head_dim", default=hidden // heads)
+    shared = _get(raw, "shared_expert_intermediate_size", default=0) or 0
+    return dict(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", default=heads),
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * _get(raw, "partial_rotary_factor", default=1.0)),
+        rope_theta=float(_get(raw, "rope_theta", default=10000.0)),
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-5)),
+        qk_norm=bool(_get(raw, "qk_layernorm", default=True)), fused_qkv=False,
+        num_dense_layers=0, dense_intermediate_size=_get(raw, "dense_intermediate_size", default=0),
+        num_experts=_get(raw, "num_experts"), top_k=_get(raw, "num_experts_per_tok"),
+        expert_intermediate_size=_get(raw, "expert_intermediate_size", "moe_intermediate_size", "intermediate_size"),
+        num_shared_experts=1 if shared else 0, shared_intermediate_size=shared,
+        router="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=False)), use_expert_bias=False,
+        block_causal=False,
+    )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    parse: Any
+    mask_token_id: int
+    eos_token_id: int
+    block_length: int
+
+
+# One row per architecture: how to read its config and the defaults the published config.json omits.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llada2_moe": Architecture(_llada2, mask_token_id=156895, eos_token_id=156892, block_length=32),
+    "lladamoe": Architecture(_lladamoe, mask_token_id=156895, eos_token_id=156892, block_length=32),
+    "llada": Architecture(_lladamoe, mask_token_id=156895, eos_token_id=156892, block_length=32),
+}
+
+
+def config_from_dict(raw: dict) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    arch = ARCHITECTURES[model_type]
+    fields = arch.parse(raw)
+    eos = _get(raw, "eos_token_id", default=arch.eos_token_id)
+    if isinstance(eos, list):
+        eos = eos[0]
+    return ModelConfig(
+        model_type=model_type, vocab_size=_get(raw, "vocab_size"), num_layers=_get(raw, "num_hidden_layers"),
+        mask_token_id=_get(raw, "mask_token_id", default=arch.mask_token_id), eos_token_id=eos,
+        pad_token_id=_get(raw, "pad_token_id", default=eos),
+        block_length=_get(raw, "block_length", default=arch.block_length),
+        max_position_embeddings=_get(raw, "max_position_embeddings", default=4096),
+        torch_dtype=str(_get(raw, "dtype", "torch_dtype", default="bfloat16")),
+        extra=raw, **fields,
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json in the model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    try:
+        return config_from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,363 @@
+"""CPU SwiGLU expert kernel: computes "missed" experts on the CPU while the GPU computes the others.
+
+The C source (oled/kernels/cpu_swiglu.c) is compiled on first use with the system compiler and cached under
+~/.cache/oled/kernels/<hash of source, flags and compiler>/; it is loaded through ctypes, which releases the GIL
+around every call, so `run` overlaps GPU work launched from the main Python thread.
+
+Environment:
+  OLED_CPU_THREADS      default worker count (default: physical cores in this process's CPU set)
+  OLED_CPU_KERNEL       "portable" forces the portable path
+  OLED_CPU_PIN          "0" disables pinning the workers to cores
+  OLED_CPU_SPIN_US      how long idle workers spin before sleeping (default 50 µs)
+  OLED_CPU_PREFETCH     "0" disables the software prefetch of the next weight rows
+  OLED_KERNEL_CACHE     compiled-library cache directory (default ~/.cache/oled/kernels)
+  CC                    compiler (default: cc, then gcc)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("oled")
+
+_SRC = Path(__file__).resolve().parent.parent / "kernels" / "cpu_swiglu.c"
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-strict-aliasing", "-std=gnu11"]
+_LIBS = ["-lpthread", "-lm"]
+# Cost of one token per weight element, relative to reading that element (in 1/64): splits rows between threads so
+# that an expert with 32 tokens gets fewer rows per thread than one with a single token.
+_TOKEN_COST_64THS = 2
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_lib_loaded = False
+_logged: set[str] = set()
+
+
+def _log_once(msg: str, *args) -> None:
+    key = msg % args
+    if key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CPU topology
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _parse_cpu_list(s: str) -> list[int]:
+    out: list[int] = []
+    for part in s.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def physical_cpus() -> tuple[list[int], list[int]]:
+    """(one CPU per physical core, the hyperthread siblings left over), both within this process's CPU set."""
+    allowed = sorted(os.sched_getaffinity(0))
+    allowed_set = set(allowed)
+    seen: set[int] = set()
+    cores: list[int] = []
+    siblings: list[int] = []
+    for c in allowed:
+        if c in seen:
+            siblings.append(c)
+            continue
+        try:
+            sib = _parse_cpu_list(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            sib = [c]
+        seen.update(s for s in sib if s in allowed_set)
+        cores.append(c)
+    return cores, siblings
+
+
+def l3_bytes() -> int:
+    """Total last-level cache of the machine (sum over distinct L3 instances); 32 MiB if unknown."""
+    total, seen = 0, set()
+    for idx in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index3"):
+        try:
+            key = (idx / "shared_cpu_list").read_text().strip()
+            if key in seen:
+                continue
+            seen.add(key)
+            s = (idx / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+            total += int(s.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+    return total or (32 << 20)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# build and load
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _compile(cc: str, extra: list[str]) -> Path:
+    src = _SRC.read_bytes()
+    flags = _FLAGS + extra
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h = hashlib.sha256(src + repr((cc, flags, _LIBS, version)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("OLED_KERNEL_CACHE", Path.home() / ".cache" / "oled" / "kernels")) / h
+    so = cache / "liboled_cpu.so"
+    if so.exists():
+        return so
+    cache.mkdir(parents=True, exist_ok=True)
+    # build next to the target and rename: concurrent processes never load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cc, *flags, "-o", tmp, str(_SRC), *_LIBS]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    os.replace(tmp, so)
+    return so
+
+
+def _load_library() -> ctypes.CDLL | None:
+    """Compile (once, cached) and load the kernel library; None if no compiler works (torch fallback)."""
+    global _lib, _lib_error, _lib_loaded
+    with _lib_lock:
+        if _lib_loaded:
+            return _lib
+        _lib_loaded = True
+        cc = _compiler()
+        if cc is None:
+            _lib_error = "no C compiler found (cc, gcc, clang)"
+            return None
+        errors = []
+        # second try without the AVX-512 BF16 code for compilers that do not know the instructions
+        for extra in ([], ["-DOLED_NO_AVX512BF16"]):
+            try:
+                lib = ctypes.CDLL(str(_compile(cc, extra)))
+                break
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+        else:
+            _lib_error = "; ".join(errors)
+            return None
+        if errors:
+            _lib_error = errors[0]
+        P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.oled_has_avx512bf16.restype = I32
+        lib.oled_compiled_fast.restype = I32
+        lib.oled_pool_create.restype = P
+        lib.oled_pool_create.argtypes = [I32, P, I64]
+        lib.oled_pool_destroy.restype = None
+        lib.oled_pool_destroy.argtypes = [P]
+        lib.oled_pool_pinned.restype = I32
+        lib.oled_pool_pinned.argtypes = [P]
+        lib.oled_set_prefetch.restype = None
+        lib.oled_set_prefetch.argtypes = [I32]
+        lib.oled_run.restype = I32
+        lib.oled_run.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64]
+        lib.oled_set_prefetch(int(os.environ.get("OLED_CPU_PREFETCH", "1") != "0"))
+        _lib = lib
+        return lib
+
+
+_RUN_ERRORS = {-1: "bad arguments", -2: "token index out of range", -3: "out of memory", -4: "unsupported mode"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kernel
+
+
+class CpuExpertKernel:
+    """Computes batches of (expert, tokens) SwiGLU jobs of one MoE layer on the CPU.
+
+    `run` may be called from any one thread at a time (calls are serialised by a lock); it releases the GIL.
+    """
+
+    name: str
+    num_threads: int
+
+    def __init__(self, num_threads: int | None = None, force_portable: bool = False):
+        cores, siblings = physical_cpus()
+        if num_threads is None:
+            num_threads = int(os.environ.get("OLED_CPU_THREADS", 0)) or len(cores)
+        self.num_threads = max(1, int(num_threads))
+        self._lock = threading.Lock()
+        self._pool = None
+        lib = _load_library()
+        self._lib = lib
+        force_portable = force_portable or os.environ.get("OLED_CPU_KERNEL", "").lower() == "portable"
+        if lib is None:
+            self.name = "torch"
+            log.warning("CPU expert kernel: torch fallback (%s)", _lib_error)
+            return
+        fast = bool(lib.oled_compiled_fast()) and bool(lib.oled_has_avx512bf16()) and "avx512_bf16" in cpu_flags()
+        self.name = "avx512_bf16" if fast and not force_portable else "portable"
+        self._mode = 1 if self.name == "avx512_bf16" else 0
+
+        # Pin to the LAST physical cores: core 0 tends to take interrupts and the main (GPU-launching) thread.
+        # More threads than cores spill onto hyperthread siblings.
+        order = cores[::-1] + siblings[::-1]
+        pin = os.environ.get("OLED_CPU_PIN", "1") != "0"
+        self.cpus = [order[i % len(order)] if pin and order else -1 for i in range(self.num_threads)]
+        spin_ns = int(float(os.environ.get("OLED_CPU_SPIN_US", 50)) * 1000)
+        arr = (ctypes.c_int * self.num_threads)(*self.cpus)
+        self._pool = lib.oled_pool_create(self.num_threads, arr, spin_ns)
+        if not self._pool:
+            raise RuntimeError("oled_pool_create failed")
+        self._finalizer = weakref.finalize(self, lib.oled_pool_destroy, self._pool)
+        why = "" if fast or force_portable else f" (no AVX-512 BF16: {_lib_error or 'CPU lacks avx512_bf16'})"
+        _log_once("CPU expert kernel: %s%s, %d threads pinned to cpus %s", self.name, why, self.num_threads,
+                  sorted(self.cpus) if pin else "none")
+
+    def close(self) -> None:
+        """Stop the worker threads (also done at garbage collection)."""
+        if self._pool is not None:
+            self._finalizer()
+            self._pool = None
+
+    def run(self, x, token_idx, job_offsets, blobs, intermediate: int, out) -> None:
+        """out[p] = down(silu(gate(x[token_idx[p]])) * up(x[token_idx[p]])) for the tokens of each job, fp32.
+
+        x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down;
+        out [P,H] fp32. All contiguous CPU tensors.
+        """
+        T, H = x.shape
+        J = len(blobs)
+        I = int(intermediate)
+        P = token_idx.numel()
+        if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("x must be a contiguous CPU bf16/fp32 tensor")
+        if token_idx.dtype != torch.int64 or job_offsets.dtype != torch.int64:
+            raise ValueError("token_idx and job_offsets must be int64")
+        if job_offsets.numel() != J + 1:
+            raise ValueError(f"job_offsets has {job_offsets.numel()} entries for {J} blobs")
+        if out.dtype != torch.float32 or tuple(out.shape) != (P, H) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 [{P}, {H}] tensor")
+        if J == 0 or P == 0:
+            return
+        wdtype = blobs[0].dtype
+        for b in blobs:
+            if b.dtype != wdtype or b.numel() != 3 * I * H or not b.is_contiguous() or b.device.type != "cpu":
+                raise ValueError(f"each blob must be a contiguous CPU tensor of 3*I*H={3 * I * H} {wdtype}")
+        if wdtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"unsupported blob dtype {wdtype}")
+        if self._lib is None:
+            return _torch_run(x, token_idx, job_offsets, blobs, I, out)
+        token_idx = token_idx.contiguous()
+        job_offsets = job_offsets.contiguous()
+        ptrs = (ctypes.c_int64 * J)(*[b.data_ptr() for b in blobs])
+        # fp32 blobs (the engine's CPU tests) go through the portable path
+        mode = self._mode if wdtype == torch.bfloat16 else 0
+        with self._lock:
+            if self._pool is None:
+                raise RuntimeError("kernel closed")
+            rc = self._lib.oled_run(
+                self._pool, mode, x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, token_idx.data_ptr(), P,
+                job_offsets.data_ptr(), J, ctypes.addressof(ptrs), int(wdtype == torch.bfloat16), out.data_ptr(),
+                _TOKEN_COST_64THS)
+        if rc != 0:
+            raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
+
+    @property
+    def pinned_threads(self) -> int:
+        """Workers that pinned themselves to their core (known once they have run)."""
+        return self._lib.oled_pool_pinned(self._pool) if self._pool else 0
+
+
+def _torch_run(x, token_idx, job_offsets, blobs, I, out) -> None:
+    """Last-resort fallback when no C compiler is available."""
+    H = x.shape[1]
+    offs = job_offsets.tolist()
+    for j, b in enumerate(blobs):
+        p0, p1 = offs[j], offs[j + 1]
+        if p1 == p0:
+            continue
+        w = b.float()
+        g, u, d = w[: I * H].view(I, H), w[I * H : 2 * I * H].view(I, H), w[2 * I * H :].view(H, I)
+        xs = x[token_idx[p0:p1]].float()
+        out[p0:p1] = F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), d)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# calibration
+
+
+def make_cold_blobs(hidden: int, intermediate: int, n: int, dtype=torch.bfloat16, pin: bool = False):
+    """n expert blobs as views of one buffer, filled cheaply (one random prototype copied n times)."""
+    E = 3 * intermediate * hidden
+    proto = (torch.randn(E) * 0.02).to(dtype)
+    buf = torch.empty(n, E, dtype=dtype, pin_memory=pin)
+    buf.copy_(proto.expand(n, E))
+    return buf, [buf[i] for i in range(n)]
+
+
+def calibrate(kernel: CpuExpertKernel, hidden: int, intermediate: int, token_counts=(1, 2, 4, 8, 16, 32),
+              dtype=torch.bfloat16, n_experts: int = 64, repeats: int = 5, jobs_per_call: int = 8) -> dict[int, float]:
+    """Median seconds per expert for each token count, with cold weights, for the runtime's cost model.
+
+    Allocates at least n_experts blobs and enough to exceed ~2.5x the L3, cycles through them, and times calls of
+    `jobs_per_call` experts with the same number of tokens each.
+    """
+    esize = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
+    n = max(n_experts, math.ceil(2.5 * l3_bytes() / esize) + jobs_per_call, 2 * jobs_per_call)
+    _buf, blobs = make_cold_blobs(hidden, intermediate, n, dtype)
+    result: dict[int, float] = {}
+    cursor = 0
+    for nt in token_counts:
+        P = nt * jobs_per_call
+        x = torch.randn(P, hidden).to(dtype)
+        tok = torch.arange(P, dtype=torch.int64)
+        offs = torch.arange(0, P + 1, nt, dtype=torch.int64)
+        out = torch.empty(P, hidden, dtype=torch.float32)
+        times = []
+        for rep in range(repeats + 1):  # the first call warms up code and scratch
+            if cursor + jobs_per_call > n:
+                cursor = 0
+            bl = blobs[cursor : cursor + jobs_per_call]
+            cursor += jobs_per_call
+            t0 = time.perf_counter()
+            kernel.run(x, tok, offs, bl, intermediate, out)
+            dt = time.perf_counter() - t0
+            if rep:
+                times.append(dt / jobs_per_call)
+        times.sort()
+        result[nt] = times[len(times) // 2]
+    return result

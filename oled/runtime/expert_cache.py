@@ -1,0 +1,57 @@
+"""ExpertCache: a fixed pool of GPU slots and per-layer slot tables.
+
+The pool is allocated once, sized from the budget, so residency can never exceed it; the tables are plain Python.
+Layer i owns slots [i*C, (i+1)*C): each MoE layer has its own slot table, as in per-layer expert caches.
+"""
+from __future__ import annotations
+
+import torch
+
+from .budget import ExpertBudget
+
+
+class ExpertCache:
+    def __init__(self, layers: list[int], budget: ExpertBudget, numel: int, dtype: torch.dtype, device):
+        self.layers = layers
+        self.capacity = budget.slots_per_layer
+        self.budget = budget
+        self.pool = torch.empty(budget.slots, numel, dtype=dtype, device=device)
+        self.slot_of: dict[int, dict[int, int]] = {layer: {} for layer in layers}   # layer -> expert -> slot
+        self.free: dict[int, list[int]] = {
+            layer: list(range((i + 1) * self.capacity - 1, i * self.capacity - 1, -1)) for i, layer in enumerate(layers)}
+        self.evictions = {layer: 0 for layer in layers}
+
+    def resident(self, layer: int) -> dict[int, int]:
+        return self.slot_of[layer]
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return expert in self.slot_of[layer]
+
+    def has_free_slot(self, layer: int) -> bool:
+        return bool(self.free[layer])
+
+    def insert(self, layer: int, expert: int) -> int:
+        """Take a free slot of `layer` for `expert`; the caller copies the weights into it."""
+        assert expert not in self.slot_of[layer], (layer, expert)
+        slot = self.free[layer].pop()
+        self.slot_of[layer][expert] = slot
+        assert len(self.slot_of[layer]) <= self.capacity
+        return slot
+
+    def evict(self, layer: int, expert: int) -> int:
+        slot = self.slot_of[layer].pop(expert)
+        self.free[layer].append(slot)
+        self.evictions[layer] += 1
+        return slot
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(map(len, self.slot_of.values())) * self.budget.expert_bytes
+
+    def slot_table(self, num_experts: int) -> torch.Tensor:
+        """[num_layers, num_experts] int64 slot index (-1 if not resident), for sync-free lookup on the device."""
+        table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int64)
+        for i, layer in enumerate(self.layers):
+            for expert, slot in self.slot_of[layer].items():
+                table[i, expert] = slot
+        return table.to(self.pool.device)

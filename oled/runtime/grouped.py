@@ -1,0 +1,29 @@
+"""Grouped SwiGLU over cache slots: one fixed sequence of kernels per call, however many experts are active."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_swiglu(x: torch.Tensor, pair_tokens: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor,
+                   hidden: int, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute expert(x[token]) for each (token, slot) pair whose slot is >= 0.
+
+    x [T, H]; pair_tokens, pair_slots [P] int64; pool [S, 3*I*H] holds each slot's blob (gate | up | down).
+    Returns (order, y): y[j] is the output of pair order[j] for j < number of valid pairs; rows past that are
+    unspecified. Pairs are grouped by slot with a stable sort, so each expert sees its tokens in routing order and
+    the result of a pair does not depend on which other experts are active or where its slot is.
+    """
+    n_slots = pool.shape[0]
+    H, I = hidden, intermediate
+    key = torch.where(pair_slots >= 0, pair_slots, n_slots)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=n_slots + 1)[:n_slots]
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x.index_select(0, pair_tokens.index_select(0, order))
+    gate_up = pool[:, : 2 * I * H].view(n_slots, 2 * I, H)   # gate rows then up rows: one fused [2I, H] matrix
+    down = pool[:, 2 * I * H:].view(n_slots, H, I)
+    h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+    a = F.silu(h[:, :I]) * h[:, I:]
+    y = torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)
+    return order, y

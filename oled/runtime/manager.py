@@ -1,0 +1,284 @@
+"""ExpertManager: runs a MoE layer's routed experts from the GPU expert cache, the copy engine and the CPU.
+
+Per layer: learn the routing on the host (the one round trip offloading needs), ask the policy which misses to
+load and which to compute on the CPU, issue the layer's copies together on the copy stream, start the CPU jobs,
+run one grouped computation over the slots in use (waiting only for this layer's copies), and combine every
+(token, expert) output in routing order, so the result does not depend on where an expert ran.
+With a static all-resident policy (`full`) there is nothing to decide and no host round trip at all.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..policies.base import IterationEvent, Policy, PolicyContext
+from .budget import ExpertBudget
+from .expert_cache import ExpertCache
+from .grouped import grouped_swiglu
+from .stats import RunStats
+from .store import ExpertStore
+from .timer import SectionTimer
+
+
+class ExpertManager:
+    def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
+                 timer: SectionTimer | None = None):
+        self.store, self.policy, self.device = store, policy, torch.device(device)
+        self.config = store.config
+        self.layers = store.layers
+        self.layer_pos = store.layer_pos
+        self.hidden, self.inter = store.hidden, store.intermediate
+        self.cache = ExpertCache(self.layers, budget, store.numel, store.dtype, self.device)
+        self.stats = RunStats()
+        self.timer = timer
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
+        self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
+        self.predictors: dict[int, object] = {}                # layer -> router of that layer (for prefetch)
+        self.cpu_kernel = cpu_kernel
+        self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
+        if policy.uses_cpu and cpu_kernel is None:
+            raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
+        policy.setup(PolicyContext(layers=self.layers, num_experts=self.config.num_experts,
+                                   capacity=self.cache.capacity, top_k=self.config.top_k,
+                                   expert_bytes=store.expert_bytes))
+        self._place_initial()
+        self.slot_lut = self.cache.slot_table(self.config.num_experts) if policy.static_full else None
+        if policy.static_full and self.cache.capacity < self.config.num_experts:
+            raise ValueError(f"policy {policy.name!r} needs every expert resident: use --expert-budget 1.0")
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._routing_log: list[tuple[int, torch.Tensor]] = []   # static path: routing kept on device until the
+                                                                 # forward ends, then recorded in one transfer
+
+    # ----------------------------------------------------------------------------------------------- placement
+    def _place_initial(self) -> None:
+        for layer in self.layers:
+            experts = self.policy.initial_placement(layer)[: self.cache.capacity]
+            slots = [self.cache.insert(layer, e) for e in experts]
+            self._copy(layer, experts, slots, wait_layer=False)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self.pending_copy.clear()
+
+    def _copy(self, layer: int, experts: list[int], slots: list[int], wait_layer: bool = True) -> int:
+        """Copy experts' blobs into slots on the copy stream; one event covers the batch. Returns bytes."""
+        if not experts:
+            return 0
+        if not self.cuda:
+            for e, s in zip(experts, slots):
+                self.cache.pool[s].copy_(self.store.blob(layer, e))
+            return len(experts) * self.store.expert_bytes
+        with torch.cuda.stream(self.copy_stream):
+            if wait_layer and layer in self.layer_done:   # a victim slot may still be read by an earlier compute
+                self.copy_stream.wait_event(self.layer_done[layer])
+            for e, s in zip(experts, slots):
+                self.cache.pool[s].copy_(self.store.blob(layer, e), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        for s in slots:
+            self.pending_copy[s] = event
+        return len(experts) * self.store.expert_bytes
+
+    def _make_room(self, layer: int, protected: set[int]) -> None:
+        if self.cache.has_free_slot(layer):
+            return
+        candidates = [e for e in self.cache.resident(layer) if e not in protected]
+        victim = self.policy.victim(layer, candidates)
+        if victim not in candidates:
+            raise RuntimeError(f"policy {self.policy.name!r} chose victim {victim} outside the candidates")
+        self.cache.evict(layer, victim)
+
+    def _load(self, layer: int, experts: list[int], protected: set[int]) -> int:
+        slots = []
+        for e in experts:
+            self._make_room(layer, protected)
+            slots.append(self.cache.insert(layer, e))
+        return self._copy(layer, experts, slots)
+
+    # ------------------------------------------------------------------------------------------------- compute
+    def _section(self, name: str):
+        return self.timer(name) if self.timer is not None else _NULL
+
+    def _wait_copies(self, slots: np.ndarray) -> None:
+        if not self.pending_copy:
+            return
+        events = {id(ev): ev for s in slots.tolist() if (ev := self.pending_copy.pop(s, None)) is not None}
+        if events:
+            with self._section("copy_wait"):
+                stream = torch.cuda.current_stream(self.device)
+                for ev in events.values():
+                    stream.wait_event(ev)
+
+    def _grouped(self, x, pair_tokens, pair_slots, y_pairs, n_valid: int) -> None:
+        with self._section("gpu_experts"):
+            order, y = grouped_swiglu(x, pair_tokens, pair_slots, self.cache.pool, self.hidden, self.inter)
+            if n_valid == pair_slots.shape[0]:
+                y_pairs.index_copy_(0, order, y)
+            else:
+                y_pairs.index_copy_(0, order[:n_valid], y[:n_valid])
+
+    def _combine(self, y_pairs, weights, T, k, dtype):
+        return (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
+        T, k = ids.shape
+        pair_tokens = torch.arange(T * k, device=x.device) // k
+        y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
+        if self.policy.static_full:
+            pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
+            self._grouped(x, pair_tokens, pair_slots, y_pairs, T * k)
+            self._routing_log.append((layer, ids))
+            return self._combine(y_pairs, weights, T, k, x.dtype)
+        return self._run_offloaded(layer, x, ids, weights, pair_tokens, y_pairs)
+
+    def _run_offloaded(self, layer, x, ids, weights, pair_tokens, y_pairs):
+        T, k = ids.shape
+        flat = ids.reshape(-1).cpu().numpy()          # the host round trip: decisions need the routing
+        experts, counts = np.unique(flat, return_counts=True)
+        demand = dict(zip(experts.tolist(), counts.tolist()))
+        resident = self.cache.resident(layer)
+        hits = [e for e in demand if e in resident]
+        misses = [e for e in demand if e not in resident]
+        plan = self.policy.plan(layer, demand, set(resident))
+        if sorted(plan.load + plan.cpu) != sorted(misses):
+            raise RuntimeError(f"policy {self.policy.name!r}: plan must split exactly the misses {misses} "
+                               f"into load and cpu, got load={plan.load} cpu={plan.cpu}")
+        rec = self.stats.layer(layer)
+        rec.pairs, rec.experts, rec.expert_tokens = T * k, len(demand), demand
+        rec.experts_hit = len(hits)
+        rec.pairs_hit = sum(demand[e] for e in hits)
+
+        cpu_job = self._start_cpu(layer, x, flat, plan.cpu) if plan.cpu else None
+        rec.experts_cpu = len(plan.cpu)
+        rec.pairs_cpu = sum(demand[e] for e in plan.cpu)
+
+        # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
+        protected, queue = set(hits), list(plan.load)
+        while True:
+            room = self.cache.capacity - len(protected)
+            wave_loads, queue = queue[:room], queue[room:]
+            rec.bytes_h2d += self._load(layer, wave_loads, protected | set(wave_loads))
+            rec.loads += len(wave_loads)
+            wave = protected | set(wave_loads)
+            if wave:
+                slot_of = self.cache.resident(layer)
+                slots_np = np.array([slot_of.get(e, -1) if e in wave else -1 for e in flat], dtype=np.int64)
+                n_valid = int((slots_np >= 0).sum())
+                if self.cuda:
+                    self._wait_copies(slots_np[slots_np >= 0])
+                pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
+                self._grouped(x, pair_tokens, pair_slots, y_pairs, n_valid)
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record()
+                    self.layer_done[layer] = done
+            if not queue:
+                break
+            protected = set()
+
+        if self.policy.wants_prediction:
+            self._prefetch_next(layer, x, rec)
+        self.policy.on_access(layer, demand)
+        if cpu_job is not None:
+            self._finish_cpu(cpu_job, y_pairs)
+        resident_after = self.cache.resident(layer)
+        rec.resident = len(resident_after)
+        rec.resident_used = sum(1 for e in demand if e in resident_after)
+        return self._combine(y_pairs, weights, T, k, x.dtype)
+
+    # ---------------------------------------------------------------------------------------------- prefetch
+    def _prefetch_next(self, layer: int, x: torch.Tensor, rec) -> None:
+        pos = self.layer_pos[layer]
+        if pos + 1 >= len(self.layers):
+            return
+        nxt = self.layers[pos + 1]
+        ids_next, _ = self.predictors[nxt](x)
+        experts, counts = np.unique(ids_next.reshape(-1).cpu().numpy(), return_counts=True)
+        resident = self.cache.resident(nxt)
+        wanted = [e for e in self.policy.prefetch(nxt, dict(zip(experts.tolist(), counts.tolist())), set(resident))
+                  if e not in resident][: self.cache.capacity]
+        rec.bytes_h2d += self._load(nxt, wanted, set(wanted))
+        rec.prefetches += len(wanted)
+
+    # --------------------------------------------------------------------------------------------------- CPU
+    def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int]):
+        sel = np.isin(flat, cpu_experts)
+        pair_idx = np.nonzero(sel)[0]
+        pair_exp = flat[pair_idx]
+        order = np.argsort(pair_exp, kind="stable")            # group pairs by expert, routing order inside
+        pair_idx, pair_exp = pair_idx[order], pair_exp[order]
+        k = self.config.top_k
+        token_idx = torch.from_numpy(pair_idx // k)
+        job_experts, starts = np.unique(pair_exp, return_index=True)
+        offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
+        blobs = [self.store.blob(layer, int(e)) for e in job_experts]
+        x_host = self._staging("x", x.shape, self.store.dtype)
+        x_host.copy_(x)                                             # waits for x, the layer's input
+        out = self._staging("out", (len(pair_idx), self.hidden), torch.float32)
+
+        def work():
+            t0 = time.perf_counter()
+            self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
+            return time.perf_counter() - t0
+
+        return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out
+
+    def _staging(self, name: str, shape, dtype) -> torch.Tensor:
+        """Reused host buffers for activations crossing PCIe (pinned on CUDA: no pageable copy in the hot path)."""
+        numel = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=self.cuda)
+            self._buffers[name] = buf
+        return buf[:numel].view(*shape)
+
+    def _finish_cpu(self, job, y_pairs) -> None:
+        future, pair_idx, out = job
+        with self._section("cpu_experts"):
+            self.stats.cpu_seconds += future.result()
+        y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
+
+    # ------------------------------------------------------------------------------------------ loop events
+    def begin_forward(self, kind: str) -> None:
+        self.stats.begin_forward(kind)
+
+    def end_forward(self) -> None:
+        """Record the static path's routing (one device-to-host transfer per forward)."""
+        if not self._routing_log:
+            return
+        layers = [layer for layer, _ in self._routing_log]
+        host = torch.stack([ids for _, ids in self._routing_log]).cpu().numpy()
+        self._routing_log.clear()
+        for layer, ids in zip(layers, host):
+            experts, counts = np.unique(ids.reshape(-1), return_counts=True)
+            rec = self.stats.layer(layer)
+            rec.pairs = rec.pairs_hit = int(ids.size)
+            rec.experts = rec.experts_hit = rec.resident_used = len(experts)
+            rec.resident = self.cache.capacity
+            rec.expert_tokens = dict(zip(experts.tolist(), counts.tolist()))
+
+    def on_iteration(self, event: IterationEvent) -> None:
+        self.policy.on_iteration(event)
+
+    def on_request_start(self) -> None:
+        self.policy.on_request_start()
+
+    def close(self) -> None:
+        if self.cpu_pool is not None:
+            self.cpu_pool.shutdown(wait=True)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

@@ -1,0 +1,172 @@
+"""CPU SwiGLU expert kernel: results against an fp32 torch reference, on both code paths."""
+
+import logging
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oled.runtime.cpu_kernel import CpuExpertKernel, calibrate, cpu_flags
+
+HAS_BF16 = "avx512_bf16" in cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def fast():
+    k = CpuExpertKernel(num_threads=2)
+    yield k
+    k.close()
+
+
+@pytest.fixture(scope="module")
+def portable():
+    k = CpuExpertKernel(num_threads=2, force_portable=True)
+    yield k
+    k.close()
+
+
+def reference(x, token_idx, job_offsets, blobs, I):
+    """fp32 reference: weights upcast, torch matmuls, one job at a time."""
+    H = x.shape[1]
+    outs = [torch.zeros(0, H)]
+    o = job_offsets.tolist()
+    for j, b in enumerate(blobs):
+        w = b.float()
+        g, u, d = w[: I * H].view(I, H), w[I * H : 2 * I * H].view(I, H), w[2 * I * H :].view(H, I)
+        xs = x[token_idx[o[j] : o[j + 1]]].float()
+        outs.append(F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), d))
+    return torch.cat(outs)
+
+
+def make_case(H, I, counts, dtype, x_dtype=None, T=None, gen=None):
+    """Random jobs with `counts` tokens each; tokens drawn with repetition, so they repeat across jobs."""
+    T = T or max(1, sum(counts))
+    x = torch.randn(T, H, generator=gen).to(x_dtype or dtype)
+    offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+    tok = torch.randint(0, T, (int(offs[-1]),), generator=gen)
+    # scaled like trained weights so the activations stay O(1)
+    blobs = [(torch.randn(3 * I * H, generator=gen) * H**-0.5).to(dtype) for _ in counts]
+    return x, tok, offs, blobs
+
+
+def run_and_check(kernel, H, I, counts, dtype, tol, x_dtype=None, T=None):
+    x, tok, offs, blobs = make_case(H, I, counts, dtype, x_dtype, T)
+    out = torch.full((tok.numel(), H), float("nan"))  # poison: every row must be written
+    kernel.run(x, tok, offs, blobs, I, out)
+    ref = reference(x, tok, offs, blobs, I)
+    assert not out.isnan().any(), "output rows not fully written"
+    if ref.numel():
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < tol, f"relative error {err:.2e} >= {tol} for H={H} I={I} counts={counts}"
+    return out
+
+
+SHAPES = [(96, 40), (64, 32), (33, 17), (2048, 512)]
+COUNTS = [[1], [2], [3], [5], [8], [9], [16], [32], [1, 2, 3, 4], [32, 1, 1, 1, 1, 1], [0, 4, 0, 0, 7, 0]]
+
+
+def test_fast_path_is_used_when_available(fast):
+    if HAS_BF16:
+        assert fast.name != "portable" and fast.name != "torch"
+    assert fast.num_threads == 2
+
+
+@pytest.mark.parametrize("H,I", SHAPES)
+def test_bf16_matches_reference(fast, portable, H, I):
+    counts_list = COUNTS if H < 1024 else [[1], [3], [8], [32], [32, 1, 1, 0, 2]]
+    for counts in counts_list:
+        a = run_and_check(fast, H, I, counts, torch.bfloat16, 1e-2)
+        b = run_and_check(portable, H, I, counts, torch.bfloat16, 1e-2)
+        assert a.shape == b.shape
+
+
+@pytest.mark.parametrize("H,I", [(96, 40), (33, 17), (256, 64)])
+def test_fp32_blobs_exact(fast, portable, H, I):
+    """fp32 blobs (the engine's CPU tests) go through the fp32 path: tight tolerance on both kernels."""
+    for counts in ([1], [7], [32, 1, 0, 2]):
+        run_and_check(fast, H, I, counts, torch.float32, 1e-5)
+        run_and_check(portable, H, I, counts, torch.float32, 1e-5)
+
+
+def test_fp32_input_bf16_weights(fast, portable):
+    for k in (fast, portable):
+        run_and_check(k, 96, 40, [3, 1, 12], torch.bfloat16, 1e-2, x_dtype=torch.float32)
+
+
+def test_fast_and_portable_agree(fast, portable):
+    x, tok, offs, blobs = make_case(160, 72, [4, 0, 19, 1], torch.bfloat16)
+    a, b = torch.empty(tok.numel(), 160), torch.empty(tok.numel(), 160)
+    fast.run(x, tok, offs, blobs, 72, a)
+    portable.run(x, tok, offs, blobs, 72, b)
+    assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_duplicate_tokens_and_rows(fast):
+    """The same token in several jobs and twice in one job: each output row is its own (job, token) result."""
+    H, I = 64, 48
+    x, _, _, blobs = make_case(H, I, [3, 3], torch.bfloat16, T=4)
+    tok = torch.tensor([1, 1, 2, 1, 3, 0])
+    offs = torch.tensor([0, 3, 6])
+    out = torch.full((6, H), float("nan"))
+    fast.run(x, tok, offs, blobs, I, out)
+    assert torch.equal(out[0], out[1])
+    ref = reference(x, tok, offs, blobs, I)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_empty_and_degenerate(fast):
+    H, I = 32, 16
+    x, tok, offs, blobs = make_case(H, I, [0, 0], torch.bfloat16, T=3)
+    out = torch.empty(0, H)
+    fast.run(x, tok, offs, blobs, I, out)  # all jobs empty: nothing to do
+    fast.run(x, tok, torch.zeros(1, dtype=torch.int64), [], I, out)  # no jobs
+
+
+def test_bad_arguments(fast):
+    H, I = 32, 16
+    x, tok, offs, blobs = make_case(H, I, [2], torch.bfloat16)
+    with pytest.raises(ValueError):
+        fast.run(x, torch.tensor([0, 5]), offs, blobs, I, torch.empty(2, H))  # token out of range
+    with pytest.raises(ValueError):
+        fast.run(x, tok, offs, blobs, I + 1, torch.empty(2, H))  # blob size mismatch
+    with pytest.raises(ValueError):
+        fast.run(x, tok, offs, blobs, I, torch.empty(2, H, dtype=torch.bfloat16))  # out dtype
+
+
+def test_runs_from_worker_thread_and_reuses_pool(fast):
+    """The engine calls run from a worker thread while the main thread does other work; repeated calls reuse the
+    pool (shapes change between calls, scratch grows)."""
+    errs = []
+
+    def work():
+        try:
+            for H, I, counts in [(96, 40, [2, 5]), (256, 128, [32, 1]), (96, 40, [1])]:
+                run_and_check(fast, H, I, counts, torch.bfloat16, 1e-2)
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert not errs, errs
+
+
+def test_single_thread_and_more_threads_than_cores():
+    for n in (1, 3):
+        k = CpuExpertKernel(num_threads=n)
+        run_and_check(k, 96, 40, [5, 1, 9], torch.bfloat16, 1e-2)
+        k.close()
+
+
+def test_logs_choice_once(caplog):
+    caplog.set_level(logging.INFO, logger="oled")
+    ks = [CpuExpertKernel(num_threads=2) for _ in range(2)]
+    assert sum("CPU expert kernel" in r.message for r in caplog.records) <= 1
+    for k in ks:
+        k.close()
+
+
+def test_calibrate_smoke(fast):
+    res = calibrate(fast, 64, 32, token_counts=(1, 4), n_experts=8, repeats=2)
+    assert set(res) == {1, 4} and all(v > 0 for v in res.values())
