@@ -23,6 +23,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str                   # "stop" (EOS) or "length"
     nfe: int = 0                         # denoising forwards
+    committed: int = 0                   # tokens committed by those forwards (all blocks run)
     cache_forwards: int = 0              # prefill and cache-fill forwards
     iterations_per_block: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -31,7 +32,7 @@ class GenerationResult:
 
     @property
     def tokens_per_forward(self) -> float:
-        return len(self.token_ids) / max(self.nfe, 1)
+        return self.committed / max(self.nfe, 1)
 
     @property
     def tpot_s(self) -> float:
@@ -121,6 +122,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
             x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
             commit = rule.select(conf_h, schedule[step] if step < len(schedule) else 1)
             canvas[bs:be][commit] = x0_h[commit]
+            result.committed += int(commit.sum())
             state = np.where(commit, IterationEvent.COMMITTED,
                              np.where(masked, IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
             done = not (canvas[bs:be] == mask_id)[max(P - bs, 0):].any()

@@ -50,6 +50,16 @@
 #define OLED_FAST 0
 #endif
 
+/* AMX (Sapphire Rapids and later): tile dot products take the compute out of the way at 8-32+ tokens. The
+ * weights stay in the standard layout (they are the A operand, 16 rows x 32 k straight from the blob); only the
+ * tokens and activations, which are tiny, are packed into the VNNI layout the B operand needs. */
+#if OLED_FAST && !defined(OLED_NO_AMX)
+#define OLED_AMX 1
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")))
+#else
+#define OLED_AMX 0
+#endif
+
 #define CACHE_LINE 64
 
 static inline void cpu_relax(void) {
@@ -111,11 +121,29 @@ int oled_has_avx512bf16(void) {
 }
 
 int oled_compiled_fast(void) { return OLED_FAST; }
+int oled_compiled_amx(void) { return OLED_AMX; }
+
+/* AMX needs the CPU (AMX-TILE, AMX-BF16), the OS enabling the tile state in XCR0, and (Linux >= 5.16) permission
+ * for this process to use it. Returns 1 when all three hold; asking for the permission is idempotent. */
+int oled_has_amx(void) {
+#if OLED_AMX && defined(__linux__)
+    unsigned a, b, c, d;
+    if (!oled_has_avx512bf16()) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    unsigned lo, hi;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0; /* XTILECFG, XTILEDATA */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
 
 /* ------------------------------------------------------------------------------------------------------------- */
 /* task description and thread pool                                                                               */
 
-enum { MODE_PORTABLE = 0, MODE_AVX512BF16 = 1 };
+enum { MODE_PORTABLE = 0, MODE_AVX512BF16 = 1, MODE_AMX = 2 };
 
 typedef struct {
     int mode;
@@ -128,7 +156,13 @@ typedef struct {
     int64_t xs_stride;
     void *act;          /* activations [P, act_stride], bf16 (fast) or fp32 (portable) */
     int64_t act_stride;
-    int64_t tokw;       /* cost of one token per weight element, in 1/64 of the cost of reading that element */
+    int64_t tokw;       /* cost of one token per weight element, in 1/256 of the cost of reading that element */
+    /* AMX jobs (those with >= amx_min tokens): job j owns token groups gbase[j] .. gbase[j+1]-1 of 16 tokens */
+    const int64_t *gbase;
+    int64_t NG;
+    uint16_t *xp;       /* packed tokens: group G, k-block kb -> 16x32 bf16 VNNI tile at (G*H/32 + kb)*512 */
+    uint16_t *ap;       /* packed activations, same layout over I */
+    int nchunks;        /* phases 1 and 2 are cut into this many equal-cost chunks, claimed dynamically */
 } task_t;
 
 typedef struct {
@@ -138,6 +172,8 @@ typedef struct {
     _Alignas(CACHE_LINE) _Atomic int sleepers;   /* workers inside futex_wait(gen) */
     _Alignas(CACHE_LINE) _Atomic int bar_cnt;
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_gen;
+    _Alignas(CACHE_LINE) _Atomic int next1;      /* next chunk of phase 1 */
+    _Alignas(CACHE_LINE) _Atomic int next2;      /* next chunk of phase 2 */
     _Alignas(CACHE_LINE) int n;
     int stop;
     int64_t spin_ns;
@@ -145,8 +181,8 @@ typedef struct {
     int *cpus;
     _Atomic int pinned;                          /* how many workers were pinned successfully */
     task_t task;
-    void *xs, *act;
-    size_t xs_cap, act_cap;
+    void *xs, *act, *xp, *ap, *gb;
+    size_t xs_cap, act_cap, xp_cap, ap_cap, gb_cap;
 } pool_t;
 
 typedef struct {
@@ -214,28 +250,38 @@ static void barrier(pool_t *p) {
 
 typedef void (*seg_fn)(const task_t *t, int64_t job, int64_t r0, int64_t r1);
 
-/* Each of the `rows` rows (of length K) of a job with n tokens costs K * (64 + tokw * n): reading the weights
- * dominates, the per-token dot products add a little. Row r of job j belongs to the thread whose cost interval
- * contains the row's start, so the chunks are disjoint and cover every row exactly once. */
-static void for_my_rows(const task_t *t, int tid, int nth, int64_t rows, int64_t K, seg_fn f) {
+static inline int is_amx_job(const task_t *t, int64_t j) { return t->gbase && t->gbase[j + 1] > t->gbase[j]; }
+
+/* Each row (length K) of a job with n tokens costs K * (256 + w * n): reading the weights dominates, the per-token
+ * dot products add a little (w = tokw on AVX-512, an eighth of it on AMX). AMX jobs are cut in blocks of 16 rows.
+ * The total is cut into nchunks equal-cost chunks that the workers claim from an atomic counter: a worker that
+ * the OS preempts (the GPU-launching thread or the CUDA driver wants a core) then delays only its current chunk.
+ * A unit of rows belongs to the chunk whose cost interval contains the unit's start, so the chunks are disjoint
+ * and cover every row exactly once; a chunk may span several experts, so skewed token counts balance out. */
+static void phase_rows(const task_t *t, _Atomic int *next, int64_t rows, int64_t K, seg_fn f) {
     int64_t total = 0;
     for (int64_t j = 0; j < t->J; j++) {
         int64_t n = t->off[j + 1] - t->off[j];
-        if (n > 0) total += rows * K * (64 + t->tokw * n);
+        if (n > 0) total += rows * K * (256 + (is_amx_job(t, j) ? t->tokw / 8 : t->tokw) * n);
     }
     if (total == 0) return;
-    int64_t lo = (int64_t)((__int128)total * tid / nth), hi = (int64_t)((__int128)total * (tid + 1) / nth);
-    int64_t base = 0;
-    for (int64_t j = 0; j < t->J && base < hi; j++) {
-        int64_t n = t->off[j + 1] - t->off[j];
-        if (n <= 0) continue;
-        int64_t rc = K * (64 + t->tokw * n), jc = rows * rc;
-        if (base + jc > lo) {
-            int64_t r0 = lo > base ? ceil_div(lo - base, rc) : 0;
-            int64_t r1 = min64(rows, ceil_div(hi - base, rc));
-            if (r1 > r0) f(t, j, r0, r1);
+    for (int c; (c = atomic_fetch_add_explicit(next, 1, memory_order_relaxed)) < t->nchunks;) {
+        int64_t lo = (int64_t)((__int128)total * c / t->nchunks);
+        int64_t hi = (int64_t)((__int128)total * (c + 1) / t->nchunks);
+        int64_t base = 0;
+        for (int64_t j = 0; j < t->J && base < hi; j++) {
+            int64_t n = t->off[j + 1] - t->off[j];
+            if (n <= 0) continue;
+            int amx = is_amx_job(t, j);
+            int64_t gran = amx ? 16 : 1, units = rows / gran;
+            int64_t uc = gran * K * (256 + (amx ? t->tokw / 8 : t->tokw) * n), jc = units * uc;
+            if (base + jc > lo) {
+                int64_t u0 = lo > base ? ceil_div(lo - base, uc) : 0;
+                int64_t u1 = min64(units, ceil_div(hi - base, uc));
+                if (u1 > u0) f(t, j, u0 * gran, u1 * gran);
+            }
+            base += jc;
         }
-        base += jc;
     }
 }
 
@@ -549,7 +595,187 @@ FAST static void gather_fast(const task_t *t, int64_t p0, int64_t p1) {
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------------------- */
+/* AMX path: C[16 rows, 16 tokens] += A[16 rows, 32 k] (weights, straight from the blob) x B[32 k, 16 tokens]     */
+#if OLED_AMX
+
+static int g_pf_dist = 4; /* AMX: prefetch this many 64-byte columns ahead in each of the 16 rows */
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t rsv[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* One configuration for everything: 8 tiles of 16 rows x 64 bytes (tokens are padded to groups of 16; a tile
+ * product costs the same whatever the number of valid columns). Tiles 0-3: C, 4-5: A (weights), 6-7: B. */
+AMX static void amx_config(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Prefetch column kb + dist of the 16 rows of a block (rows of length K), or of the next block's rows once past
+ * the end of this one, so the DRAM requests run ahead of the tile loads in the order the tile loads use them. */
+AMX static inline void amx_prefetch(const uint16_t *blk, int64_t K, int64_t kb, int next_ok) {
+    int64_t col = kb + g_pf_dist, KB = K / 32;
+    const uint16_t *base = blk;
+    if (col >= KB) {
+        if (!next_ok) return;
+        col -= KB;
+        base += 16 * K;
+    }
+    for (int rr = 0; rr < 16; rr++) PF_L2(base + rr * K + col * 32);
+}
+
+/* silu(g) * u for 16 rows x 16 tokens, written as bf16 into the packed activation tile rows (row pairs
+ * interleaved: VNNI layout), so phase 2 can use it as its B operand directly. */
+AMX static void amx_store_act(const float *cg, const float *cu, uint16_t *dst) {
+    static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i inter = _mm512_loadu_si512((const void *)idx);
+    for (int rr = 0; rr < 16; rr += 2) {
+        __m512 h[2];
+        for (int e = 0; e < 2; e++) {
+            __m512 g = _mm512_load_ps(cg + (rr + e) * 16), u = _mm512_load_ps(cu + (rr + e) * 16);
+            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f),
+                                       _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            h[e] = _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+        }
+        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(h[1], h[0]); /* [row rr: 16 tokens | row rr+1: 16 tokens] */
+        _mm512_store_si512((void *)(dst + (rr / 2) * 32), _mm512_permutexvar_epi16(inter, both));
+    }
+}
+
+/* gate/up rows r0..r1 (multiples of 16) of AMX job j, all its token groups, two groups per pass */
+AMX static void gu_seg_amx(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
+    int64_t H = t->H, I = t->I, KB = H / 32, KBI = I / 32;
+    int64_t G0 = t->gbase[j], ntg = t->gbase[j + 1] - G0;
+    const uint16_t *blob = (const uint16_t *)(intptr_t)t->blobs[j];
+    const uint16_t *xp = t->xp + G0 * KB * 512;
+    float cg[2][256] __attribute__((aligned(64))), cu[2][256] __attribute__((aligned(64)));
+    amx_config();
+    for (int64_t r = r0; r < r1; r += 16) {
+        const uint16_t *g = blob + r * H, *u = blob + I * H + r * H;
+        int next_ok = g_pf_dist > 0 && r + 16 < r1;
+        for (int64_t tg = 0; tg < ntg; tg += 2) {
+            int two = tg + 1 < ntg, pf = g_pf_dist > 0 && tg == 0;
+            const uint16_t *b0 = xp + tg * KB * 512, *b1 = b0 + KB * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < KB; kb++) {
+                if (pf) {
+                    amx_prefetch(g, H, kb, next_ok);
+                    amx_prefetch(u, H, kb, next_ok);
+                }
+                _tile_loadd(4, g + kb * 32, H * 2);
+                _tile_loadd(5, u + kb * 32, H * 2);
+                _tile_loadd(6, b0 + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, cg[0], 64);
+            _tile_stored(1, cu[0], 64);
+            if (two) {
+                _tile_stored(2, cg[1], 64);
+                _tile_stored(3, cu[1], 64);
+            }
+            for (int s2 = 0; s2 <= two; s2++) /* rows r..r+15 are half of k-block r/32 of the activations */
+                amx_store_act(cg[s2], cu[s2], t->ap + ((G0 + tg + s2) * KBI + r / 32) * 512 + ((r % 32) / 2) * 32);
+        }
+    }
+}
+
+/* down rows h0..h1 (multiples of 16) of AMX job j */
+AMX static void down_seg_amx(const task_t *t, int64_t j, int64_t h0, int64_t h1) {
+    int64_t H = t->H, I = t->I, KBI = I / 32, p0 = t->off[j], n = t->off[j + 1] - p0;
+    int64_t G0 = t->gbase[j], ntg = t->gbase[j + 1] - G0;
+    const uint16_t *d0 = (const uint16_t *)(intptr_t)t->blobs[j] + 2 * I * H;
+    const uint16_t *ap = t->ap + G0 * KBI * 512;
+    float c[2][256] __attribute__((aligned(64)));
+    const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    amx_config();
+    for (int64_t h = h0; h < h1; h += 16) {
+        const uint16_t *d = d0 + h * I;
+        int next_ok = g_pf_dist > 0 && h + 16 < h1;
+        for (int64_t tg = 0; tg < ntg; tg += 2) {
+            int two = tg + 1 < ntg, pf = g_pf_dist > 0 && tg == 0;
+            const uint16_t *b0 = ap + tg * KBI * 512, *b1 = b0 + KBI * 512;
+            _tile_zero(0);
+            _tile_zero(2);
+            for (int64_t kb = 0; kb < KBI; kb++) {
+                if (pf) amx_prefetch(d, I, kb, next_ok);
+                _tile_loadd(4, d + kb * 32, I * 2);
+                _tile_loadd(6, b0 + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            if (two) _tile_stored(2, c[1], 64);
+            for (int s2 = 0; s2 <= two; s2++) { /* C is [16 rows, 16 tokens]; out wants [token, rows]: gather columns */
+                int64_t tok0 = (tg + s2) * 16, nv = min64(16, n - tok0);
+                for (int64_t tt = 0; tt < nv; tt++)
+                    _mm512_storeu_ps(t->out + (p0 + tok0 + tt) * H + h, _mm512_i32gather_ps(col, c[s2] + tt, 4));
+            }
+        }
+    }
+}
+
+/* Pack the tokens of AMX jobs: virtual rows v0..v1 of all groups (16 per group, padding tokens are zeros). */
+AMX static void pack_amx(const task_t *t, int64_t v0, int64_t v1) {
+    int64_t H = t->H, KB = H / 32, j = 0;
+    for (int64_t v = v0; v < v1; v++) {
+        int64_t G = v / 16, tt = v % 16;
+        while (t->gbase[j + 1] <= G) j++;
+        int64_t ti = (G - t->gbase[j]) * 16 + tt, n = t->off[j + 1] - t->off[j];
+        uint32_t *dst = (uint32_t *)(t->xp + G * KB * 512) + tt; /* one bf16 pair (k, k+1) per token per tile row */
+        if (ti >= n) {
+            for (int64_t q = 0; q < H / 2; q++) dst[(q / 16) * 256 + (q % 16) * 16] = 0;
+        } else if (t->x_bf16) {
+            const uint32_t *src = (const uint32_t *)((const uint16_t *)t->x + t->tok[t->off[j] + ti] * H);
+            for (int64_t q = 0; q < H / 2; q++) dst[(q / 16) * 256 + (q % 16) * 16] = src[q];
+        } else {
+            const float *src = (const float *)t->x + t->tok[t->off[j] + ti] * H;
+            for (int64_t q = 0; q < H / 2; q++)
+                dst[(q / 16) * 256 + (q % 16) * 16] = f32_to_bf16(src[2 * q]) | (uint32_t)f32_to_bf16(src[2 * q + 1]) << 16;
+        }
+    }
+}
+
+void oled_set_pf_dist(int d) { g_pf_dist = d; }
+
+/* mode AMX: jobs with enough tokens go to the tiles, the others to the AVX-512 tiles */
+AMX static void gu_seg_mixed(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
+    if (is_amx_job(t, j)) gu_seg_amx(t, j, r0, r1);
+    else gu_seg_fast(t, j, r0, r1);
+}
+AMX static void down_seg_mixed(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
+    if (is_amx_job(t, j)) down_seg_amx(t, j, r0, r1);
+    else down_seg_fast(t, j, r0, r1);
+}
+AMX static void amx_release(void) { _tile_release(); }
+#endif /* OLED_AMX */
 #endif /* OLED_FAST */
+#if !OLED_AMX
+void oled_set_pf_dist(int d) { (void)d; }
+#endif
 
 /* ------------------------------------------------------------------------------------------------------------- */
 /* worker                                                                                                         */
@@ -558,21 +784,34 @@ static void run_task(pool_t *p, int tid) {
     const task_t *t = &p->task;
     int nth = p->n;
     int64_t g0 = t->P * tid / nth, g1 = t->P * (tid + 1) / nth;
+#if OLED_AMX
+    if (t->mode == MODE_AMX) {
+        int64_t V = t->NG * 16; /* phase 0 also packs the AMX jobs' tokens, split like the gather */
+        gather_fast(t, g0, g1);
+        pack_amx(t, V * tid / nth, V * (tid + 1) / nth);
+        barrier(p);
+        phase_rows(t, &p->next1, t->I, 2 * t->H, gu_seg_mixed);
+        barrier(p);
+        phase_rows(t, &p->next2, t->H, t->I, down_seg_mixed);
+        if (t->NG) amx_release(); /* tile state back to init: cheaper context switches */
+        return;
+    }
+#endif
 #if OLED_FAST
     if (t->mode == MODE_AVX512BF16) {
         gather_fast(t, g0, g1);
         barrier(p);
-        for_my_rows(t, tid, nth, t->I, 2 * t->H, gu_seg_fast);
+        phase_rows(t, &p->next1, t->I, 2 * t->H, gu_seg_fast);
         barrier(p);
-        for_my_rows(t, tid, nth, t->H, t->I, down_seg_fast);
+        phase_rows(t, &p->next2, t->H, t->I, down_seg_fast);
         return;
     }
 #endif
     gather_portable(t, g0, g1);
     barrier(p);
-    for_my_rows(t, tid, nth, t->I, 2 * t->H, gu_seg_portable);
+    phase_rows(t, &p->next1, t->I, 2 * t->H, gu_seg_portable);
     barrier(p);
-    for_my_rows(t, tid, nth, t->H, t->I, down_seg_portable);
+    phase_rows(t, &p->next2, t->H, t->I, down_seg_portable);
 }
 
 static void *worker_main(void *arg) {
@@ -647,6 +886,9 @@ void oled_pool_destroy(void *handle) {
     free(p->cpus);
     free(p->xs);
     free(p->act);
+    free(p->xp);
+    free(p->ap);
+    free(p->gb);
     free(p);
 }
 
@@ -673,9 +915,12 @@ static int ensure(void **buf, size_t *cap, size_t need) {
 }
 
 /* Returns 0 on success, <0 on bad arguments (-1), token index out of range (-2), allocation failure (-3),
- * unsupported mode (-4). Must not be called concurrently on one pool. */
+ * unsupported mode (-4). Must not be called concurrently on one pool.
+ * mode: 0 portable, 1 AVX-512 BF16, 2 AVX-512 BF16 + AMX for jobs with >= amx_min tokens (needs H, I multiples
+ * of 32; oled_has_amx() must have returned 1). tokw: per-token cost of a weight element in 1/256 of its read. */
 int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
-             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw) {
+             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
+             int64_t amx_min, int chunks_per_thread) {
     pool_t *p = (pool_t *)handle;
     if (!p || H <= 0 || I <= 0 || P < 0 || J < 0 || T < 0) return -1;
     if (J == 0 || P == 0) return (J == 0 && P != 0) ? -1 : 0;
@@ -687,6 +932,8 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
     for (int64_t i = 0; i < P; i++)
         if (tok[i] < 0 || tok[i] >= T) return -2;
     if (mode == MODE_AVX512BF16 && (!OLED_FAST || !w_bf16)) return -4;
+    if (mode == MODE_AMX && (!OLED_AMX || !w_bf16)) return -4;
+    if (mode == MODE_AMX && (H % 32 || I % 32 || amx_min < 1)) mode = MODE_AVX512BF16;
 
     task_t *t = &p->task;
     t->mode = mode;
@@ -696,7 +943,8 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
     t->T = T; t->H = H; t->I = I; t->P = P; t->J = J;
     t->tok = tok; t->off = off; t->blobs = blobs; t->out = out;
     t->tokw = tokw < 0 ? 0 : tokw;
-    size_t es = mode == MODE_AVX512BF16 ? 2 : 4;
+    t->nchunks = p->n * (chunks_per_thread > 0 ? chunks_per_thread : 1);
+    size_t es = mode == MODE_PORTABLE ? 4 : 2;
     t->xs_stride = round_up(H, 32); /* 64-byte aligned rows */
     t->act_stride = round_up(I, 32);
     if (ensure(&p->xs, &p->xs_cap, (size_t)P * t->xs_stride * es) ||
@@ -704,6 +952,26 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
         return -3;
     t->xs = p->xs;
     t->act = p->act;
+    t->gbase = NULL;
+    t->NG = 0;
+    if (mode == MODE_AMX) { /* token groups of 16 for the jobs with enough tokens */
+        if (ensure(&p->gb, &p->gb_cap, (size_t)(J + 1) * sizeof(int64_t))) return -3;
+        int64_t *gb = (int64_t *)p->gb;
+        gb[0] = 0;
+        for (int64_t j = 0; j < J; j++) {
+            int64_t n = off[j + 1] - off[j];
+            gb[j + 1] = gb[j] + (n >= amx_min ? ceil_div(n, 16) : 0);
+        }
+        t->NG = gb[J];
+        if (ensure(&p->xp, &p->xp_cap, (size_t)t->NG * 16 * H * 2 + 64) ||
+            ensure(&p->ap, &p->ap_cap, (size_t)t->NG * 16 * I * 2 + 64))
+            return -3;
+        t->gbase = gb;
+        t->xp = (uint16_t *)p->xp;
+        t->ap = (uint16_t *)p->ap;
+    }
+    atomic_store(&p->next1, 0);
+    atomic_store(&p->next2, 0);
 
     atomic_store(&p->remaining, p->n);
     uint32_t g = atomic_fetch_add(&p->gen, 1) + 1;

@@ -6,10 +6,13 @@ around every call, so `run` overlaps GPU work launched from the main Python thre
 
 Environment:
   OLED_CPU_THREADS      default worker count (default: physical cores in this process's CPU set)
-  OLED_CPU_KERNEL       "portable" forces the portable path
+  OLED_CPU_KERNEL       "portable" forces the portable path, "avx512_bf16" disables AMX
+  OLED_CPU_AMX_MIN_TOKENS  jobs with at least this many tokens use AMX where available (default 8)
+  OLED_CPU_CHUNKS       work chunks per thread and phase, claimed dynamically (default 4)
   OLED_CPU_PIN          "0" disables pinning the workers to cores
   OLED_CPU_SPIN_US      how long idle workers spin before sleeping (default 50 µs)
-  OLED_CPU_PREFETCH     "0" disables the software prefetch of the next weight rows
+  OLED_CPU_PREFETCH     "0" disables the software prefetch of the next weight rows (AVX-512 path)
+  OLED_CPU_PF_DIST      AMX path: prefetch distance in 64-byte columns (default 4, 0 = off)
   OLED_KERNEL_CACHE     compiled-library cache directory (default ~/.cache/oled/kernels)
   CC                    compiler (default: cc, then gcc)
 """
@@ -37,9 +40,10 @@ log = logging.getLogger("oled")
 _SRC = Path(__file__).resolve().parent.parent / "kernels" / "cpu_swiglu.c"
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-strict-aliasing", "-std=gnu11"]
 _LIBS = ["-lpthread", "-lm"]
-# Cost of one token per weight element, relative to reading that element (in 1/64): splits rows between threads so
-# that an expert with 32 tokens gets fewer rows per thread than one with a single token.
-_TOKEN_COST_64THS = 2
+# Cost of one token per weight element, relative to reading that element (in 1/256; AMX jobs use an eighth): the
+# work split gives a chunk of an expert with 32 tokens fewer rows than one of an expert with a single token.
+_TOKEN_COST_256THS = 8
+_AMX_MIN_TOKENS = 8
 
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -168,8 +172,8 @@ def _load_library() -> ctypes.CDLL | None:
             _lib_error = "no C compiler found (cc, gcc, clang)"
             return None
         errors = []
-        # second try without the AVX-512 BF16 code for compilers that do not know the instructions
-        for extra in ([], ["-DOLED_NO_AVX512BF16"]):
+        # fewer instruction sets for compilers that do not know AMX or AVX-512 BF16
+        for extra in ([], ["-DOLED_NO_AMX"], ["-DOLED_NO_AMX", "-DOLED_NO_AVX512BF16"]):
             try:
                 lib = ctypes.CDLL(str(_compile(cc, extra)))
                 break
@@ -183,6 +187,10 @@ def _load_library() -> ctypes.CDLL | None:
         P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.oled_has_avx512bf16.restype = I32
         lib.oled_compiled_fast.restype = I32
+        lib.oled_has_amx.restype = I32
+        lib.oled_compiled_amx.restype = I32
+        lib.oled_set_pf_dist.restype = None
+        lib.oled_set_pf_dist.argtypes = [I32]
         lib.oled_pool_create.restype = P
         lib.oled_pool_create.argtypes = [I32, P, I64]
         lib.oled_pool_destroy.restype = None
@@ -192,8 +200,9 @@ def _load_library() -> ctypes.CDLL | None:
         lib.oled_set_prefetch.restype = None
         lib.oled_set_prefetch.argtypes = [I32]
         lib.oled_run.restype = I32
-        lib.oled_run.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64]
+        lib.oled_run.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64, I64, I32]
         lib.oled_set_prefetch(int(os.environ.get("OLED_CPU_PREFETCH", "1") != "0"))
+        lib.oled_set_pf_dist(int(os.environ.get("OLED_CPU_PF_DIST", 4)))
         _lib = lib
         return lib
 
@@ -211,10 +220,13 @@ class CpuExpertKernel:
     `run` may be called from any one thread at a time (calls are serialised by a lock); it releases the GIL.
     """
 
-    name: str
+    name: str  # "amx" (AVX-512 BF16 + AMX for jobs with many tokens), "avx512_bf16", "portable" or "torch"
     num_threads: int
 
-    def __init__(self, num_threads: int | None = None, force_portable: bool = False):
+    def __init__(self, num_threads: int | None = None, force_portable: bool = False,
+                 amx_min_tokens: int | None = None):
+        """num_threads: workers (default: physical cores available, or OLED_CPU_THREADS); force_portable: plain C
+        path; amx_min_tokens: jobs with at least this many tokens use AMX when the CPU has it (0: never)."""
         cores, siblings = physical_cpus()
         if num_threads is None:
             num_threads = int(os.environ.get("OLED_CPU_THREADS", 0)) or len(cores)
@@ -224,13 +236,21 @@ class CpuExpertKernel:
         lib = _load_library()
         self._lib = lib
         force_portable = force_portable or os.environ.get("OLED_CPU_KERNEL", "").lower() == "portable"
+        self.amx_min_tokens = 0
         if lib is None:
             self.name = "torch"
             log.warning("CPU expert kernel: torch fallback (%s)", _lib_error)
             return
         fast = bool(lib.oled_compiled_fast()) and bool(lib.oled_has_avx512bf16()) and "avx512_bf16" in cpu_flags()
-        self.name = "avx512_bf16" if fast and not force_portable else "portable"
-        self._mode = 1 if self.name == "avx512_bf16" else 0
+        env = os.environ.get("OLED_CPU_KERNEL", "").lower()
+        if amx_min_tokens is None:
+            amx_min_tokens = int(os.environ.get("OLED_CPU_AMX_MIN_TOKENS", _AMX_MIN_TOKENS))
+        amx = (fast and amx_min_tokens > 0 and env != "avx512_bf16" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+               and bool(lib.oled_compiled_amx()) and bool(lib.oled_has_amx()))
+        self.amx_min_tokens = amx_min_tokens if amx else 0
+        self.name = "portable" if not fast or force_portable else "amx" if amx else "avx512_bf16"
+        self._mode = {"portable": 0, "avx512_bf16": 1, "amx": 2}[self.name]
+        self._chunks = int(os.environ.get("OLED_CPU_CHUNKS", 4))
 
         # Pin to the LAST physical cores: core 0 tends to take interrupts and the main (GPU-launching) thread.
         # More threads than cores spill onto hyperthread siblings.
@@ -244,7 +264,8 @@ class CpuExpertKernel:
             raise RuntimeError("oled_pool_create failed")
         self._finalizer = weakref.finalize(self, lib.oled_pool_destroy, self._pool)
         why = "" if fast or force_portable else f" (no AVX-512 BF16: {_lib_error or 'CPU lacks avx512_bf16'})"
-        _log_once("CPU expert kernel: %s%s, %d threads pinned to cpus %s", self.name, why, self.num_threads,
+        _log_once("CPU expert kernel: %s%s%s, %d threads pinned to cpus %s", self.name, why,
+                  f" (jobs with >= {self.amx_min_tokens} tokens)" if amx else "", self.num_threads,
                   sorted(self.cpus) if pin else "none")
 
     def close(self) -> None:
@@ -292,7 +313,7 @@ class CpuExpertKernel:
             rc = self._lib.oled_run(
                 self._pool, mode, x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, token_idx.data_ptr(), P,
                 job_offsets.data_ptr(), J, ctypes.addressof(ptrs), int(wdtype == torch.bfloat16), out.data_ptr(),
-                _TOKEN_COST_64THS)
+                _TOKEN_COST_256THS, self.amx_min_tokens, self._chunks)
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
 
