@@ -152,17 +152,19 @@ def main():
         H, I = SHAPES[shape]
         pool = Pool(H, I, args.pool_gib, args.jobs)
         gb = pool.esize / 1e9
-        for nt in tokens:
-            P = nt * args.jobs
+        # token counts per job; "skew": one expert with 32 tokens, the others with 1 (per-expert time = call / jobs)
+        for nt in tokens + ["skew"]:
+            counts = [32] + [1] * (args.jobs - 1) if nt == "skew" else [nt] * args.jobs
+            P = sum(counts)
             x = torch.randn(P, H).bfloat16()
             tok = torch.arange(P, dtype=torch.int64)
-            offs = torch.arange(0, P + 1, nt, dtype=torch.int64)
+            offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
             out = torch.empty(P, H)
             run_k = lambda b: kernel.run(x, tok, offs, b, I, out)  # noqa: E731
             kt = statistics.median(time_calls(run_k, pool, args.reps, min_s))
             row = dict(shape=shape, H=H, I=I, tokens=nt, expert_bytes=pool.esize, kernel_us=kt * 1e6,
                        kernel_gbs=gb / kt, kernel_pct_dram=100 * gb / kt / args.dram_gbs)
-            line = f"{shape:6} {nt:>4} | {kt * 1e6:>11.1f} {gb / kt:>6.1f} {row['kernel_pct_dram']:>5.0f}% |"
+            line = f"{shape:6} {nt!s:>4} | {kt * 1e6:>11.1f} {gb / kt:>6.1f} {row['kernel_pct_dram']:>5.0f}% |"
             if not args.no_torch:
                 run_t = lambda b: torch_swiglu(x, tok, offs, b, I, out)  # noqa: E731
                 tt = statistics.median(time_calls(run_t, pool, max(3, args.reps // 4), min_s / 3))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from oled.runtime.cpu_kernel import CpuExpertKernel, calibrate, cpu_flags
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
+HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,22 @@ COUNTS = [[1], [2], [3], [5], [8], [9], [16], [32], [1, 2, 3, 4], [32, 1, 1, 1, 
 def test_fast_path_is_used_when_available(fast):
     if HAS_BF16:
         assert fast.name != "portable" and fast.name != "torch"
+    if HAS_AMX:
+        assert fast.name == "amx"
     assert fast.num_threads == 2
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="CPU without AMX")
+@pytest.mark.parametrize("H,I", [(64, 32), (96, 64), (2048, 512)])
+def test_amx_matches_reference(H, I):
+    """AMX for every job (amx_min_tokens=1), and mixed with AVX-512 jobs (threshold 8): 1-40 tokens, 1-3 groups."""
+    for amx_min in (1, 8):
+        k = CpuExpertKernel(num_threads=2, amx_min_tokens=amx_min)
+        assert k.name == "amx"
+        for counts in ([1], [5], [16], [17], [32], [40], [33, 1, 0, 8, 2, 16]):
+            run_and_check(k, H, I, counts, torch.bfloat16, 1e-2)
+        run_and_check(k, H, I, [3, 20, 1], torch.bfloat16, 1e-2, x_dtype=torch.float32)
+        k.close()
 
 
 @pytest.mark.parametrize("H,I", SHAPES)
