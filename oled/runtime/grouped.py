@@ -18,7 +18,9 @@ def grouped_swiglu(x: torch.Tensor, pair_tokens: torch.Tensor, pair_slots: torch
     H, I = hidden, intermediate
     key = torch.where(pair_slots >= 0, pair_slots, n_slots)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=n_slots + 1)[:n_slots]
+    # scatter_add rather than bincount: bincount on CUDA reads the maximum back to the host (a sync per layer)
+    counts = torch.zeros(n_slots + 1, dtype=torch.int64, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))[:n_slots]
     offs = counts.cumsum(0).to(torch.int32)
     xs = x.index_select(0, pair_tokens.index_select(0, order))
     gate_up = pool[:, : 2 * I * H].view(n_slots, 2 * I, H)   # gate rows then up rows: one fused [2I, H] matrix
