@@ -73,7 +73,8 @@ class CopyStreamer(threading.Thread):
     def __init__(self, chunk_mib=64, n_chunks=8):
         super().__init__(daemon=True)
         n = chunk_mib * 2**20
-        self.src = [torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1) for _ in range(n_chunks)]
+        self.src = [torch.empty(n, dtype=torch.uint8, pin_memory=True).copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
+                    for _ in range(n_chunks)]
         self.dst = torch.empty(n, dtype=torch.uint8, device="cuda")
         self.stream = torch.cuda.Stream()
         self.bytes_done = 0
@@ -196,7 +197,7 @@ def main():
 
 def measure_read_gbs(gib):
     """Rough DRAM read bandwidth with torch's threads (fp32 sum of a buffer far larger than the L3)."""
-    a = torch.ones(int(gib * 2**30) // 4)
+    a = torch.arange(int(gib * 2**30) // 4, dtype=torch.float32)  # distinct pages
     ts = []
     for _ in range(5):
         t0 = time.perf_counter()

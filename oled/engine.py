@@ -1,6 +1,7 @@
 """Engine: builds the model, the expert store, the expert manager and the tokenizer from an EngineConfig."""
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -51,15 +52,35 @@ class Engine:
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
-        self.budget = parse_budget(cfg.expert_budget, num_layers=len(self.config.moe_layers),
+        self.timer = SectionTimer(self.device) if cfg.profile else None
+        self.manager: ExpertManager | None = None
+        self._cpu_kernel = None
+        self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity)
+
+    def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
+        """(Re)build the budget, the policy and the expert manager over the loaded model and expert store, without
+        reloading weights (a benchmark sweeps policies and budgets this way). The previous manager's GPU cache pool is
+        freed before the new one is allocated. policy_options go to make_policy (tau, popularity: a file path or the
+        data itself, ...); options a policy does not take and None values are ignored."""
+        old, self.manager = self.manager, None
+        if old is not None:
+            old.close()
+            for block in self.model.moe_blocks():
+                block.experts = None
+            del old
+            if self.device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+        self.budget = parse_budget(expert_budget, num_layers=len(self.config.moe_layers),
                                    num_experts=self.config.num_experts, expert_bytes=self.store.expert_bytes)
         self._check_fits()
-        self.timer = SectionTimer(self.device) if cfg.profile else None
-        self.policy = make_policy(cfg.policy, tau=cfg.tide_tau, popularity=cfg.popularity)
+        self.policy = make_policy(policy, **policy_options)
         cpu_kernel = None
         if self.policy.uses_cpu:
-            from .runtime.cpu_kernel import CpuExpertKernel
-            cpu_kernel = CpuExpertKernel(num_threads=cfg.cpu_threads)
+            if self._cpu_kernel is None:
+                from .runtime.cpu_kernel import CpuExpertKernel
+                self._cpu_kernel = CpuExpertKernel(num_threads=self.cfg.cpu_threads)
+            cpu_kernel = self._cpu_kernel
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
         for block in self.model.moe_blocks():
             block.experts = self.manager

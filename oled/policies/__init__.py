@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from .base import IterationEvent, LayerPlan, Policy, PolicyContext
+from .fiddler import FiddlerPolicy
 from .full import FullPolicy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
+from .prefetch import PrefetchPolicy
+from .tide import TidePolicy
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FullPolicy, LRUPolicy, LFUPolicy)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FullPolicy, LRUPolicy, LFUPolicy, PrefetchPolicy,
+                                                          FiddlerPolicy, TidePolicy)}
 
 
 def make_policy(name: str, **options) -> Policy:

@@ -58,7 +58,7 @@ def parse_budget(spec: str | float, *, num_layers: int, num_experts: int, expert
         nbytes = value * total
     else:
         nbytes = value * _UNITS[unit]
-    per_layer = min(num_experts, int(nbytes // (expert_bytes * num_layers) + 1e-9))
+    per_layer = min(num_experts, int(nbytes / (expert_bytes * num_layers) + 1e-9))   # 0.29*100 -> 29, not 28
     if per_layer < 1:
         need = num_layers * expert_bytes
         raise BudgetError(f"expert budget {spec!r} ({nbytes / 2**20:.1f} MiB) is too small to run: at least one "

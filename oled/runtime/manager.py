@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..policies.base import IterationEvent, Policy, PolicyContext
+from ..policies.base import IterationEvent, Policy
 from .budget import ExpertBudget
 from .expert_cache import ExpertCache
 from .grouped import grouped_swiglu
+from .residency import Residency
 from .stats import RunStats
 from .store import ExpertStore
 from .timer import SectionTimer
@@ -43,22 +44,18 @@ class ExpertManager:
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
-        policy.setup(PolicyContext(layers=self.layers, num_experts=self.config.num_experts,
-                                   capacity=self.cache.capacity, top_k=self.config.top_k,
-                                   expert_bytes=store.expert_bytes))
+        # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
+        self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
+                                   top_k=self.config.top_k, expert_bytes=store.expert_bytes)
         self._place_initial()
         self.slot_lut = self.cache.slot_table(self.config.num_experts) if policy.static_full else None
-        if policy.static_full and self.cache.capacity < self.config.num_experts:
-            raise ValueError(f"policy {policy.name!r} needs every expert resident: use --expert-budget 1.0")
         self._buffers: dict[str, torch.Tensor] = {}
         self._routing_log: list[tuple[int, torch.Tensor]] = []   # static path: routing kept on device until the
                                                                  # forward ends, then recorded in one transfer
 
     # ----------------------------------------------------------------------------------------------- placement
     def _place_initial(self) -> None:
-        for layer in self.layers:
-            experts = self.policy.initial_placement(layer)[: self.cache.capacity]
-            slots = [self.cache.insert(layer, e) for e in experts]
+        for layer, experts, slots in self.residency.place_initial():
             self._copy(layer, experts, slots, wait_layer=False)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
@@ -82,22 +79,6 @@ class ExpertManager:
         for s in slots:
             self.pending_copy[s] = event
         return len(experts) * self.store.expert_bytes
-
-    def _make_room(self, layer: int, protected: set[int]) -> None:
-        if self.cache.has_free_slot(layer):
-            return
-        candidates = [e for e in self.cache.resident(layer) if e not in protected]
-        victim = self.policy.victim(layer, candidates)
-        if victim not in candidates:
-            raise RuntimeError(f"policy {self.policy.name!r} chose victim {victim} outside the candidates")
-        self.cache.evict(layer, victim)
-
-    def _load(self, layer: int, experts: list[int], protected: set[int]) -> int:
-        slots = []
-        for e in experts:
-            self._make_room(layer, protected)
-            slots.append(self.cache.insert(layer, e))
-        return self._copy(layer, experts, slots)
 
     # ------------------------------------------------------------------------------------------------- compute
     def _section(self, name: str):
@@ -138,36 +119,25 @@ class ExpertManager:
 
     def _run_offloaded(self, layer, x, ids, weights, pair_tokens, y_pairs):
         T, k = ids.shape
-        flat = ids.reshape(-1).cpu().numpy()          # the host round trip: decisions need the routing
-        experts, counts = np.unique(flat, return_counts=True)
-        demand = dict(zip(experts.tolist(), counts.tolist()))
-        resident = self.cache.resident(layer)
-        hits = [e for e in demand if e in resident]
-        misses = [e for e in demand if e not in resident]
-        plan = self.policy.plan(layer, demand, set(resident))
-        if sorted(plan.load + plan.cpu) != sorted(misses):
-            raise RuntimeError(f"policy {self.policy.name!r}: plan must split exactly the misses {misses} "
-                               f"into load and cpu, got load={plan.load} cpu={plan.cpu}")
-        rec = self.stats.layer(layer)
-        rec.pairs, rec.experts, rec.expert_tokens = T * k, len(demand), demand
-        rec.experts_hit = len(hits)
-        rec.pairs_hit = sum(demand[e] for e in hits)
-
-        cpu_job = self._start_cpu(layer, x, flat, plan.cpu) if plan.cpu else None
-        rec.experts_cpu = len(plan.cpu)
-        rec.pairs_cpu = sum(demand[e] for e in plan.cpu)
+        nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
+        if nxt is None:
+            flat = ids.reshape(-1).cpu().numpy()      # the host round trip: decisions need the routing
+        else:
+            # Prefetch: the next layer's router on this layer's input, brought back in the same round trip. Fetching
+            # it after this layer's experts were launched would make the host wait for them (an in-order stream), so
+            # the prefetch copies could not overlap this layer's compute.
+            ids_next, _ = self.predictors[nxt](x)
+            both = torch.cat([ids.reshape(-1), ids_next.reshape(-1).to(ids.dtype)]).cpu().numpy()
+            flat, predicted = both[: T * k], both[T * k:]
+        step = self.residency.begin_layer(layer, flat)
+        cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu) if step.plan.cpu else None
 
         # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
-        protected, queue = set(hits), list(plan.load)
-        while True:
-            room = self.cache.capacity - len(protected)
-            wave_loads, queue = queue[:room], queue[room:]
-            rec.bytes_h2d += self._load(layer, wave_loads, protected | set(wave_loads))
-            rec.loads += len(wave_loads)
-            wave = protected | set(wave_loads)
-            if wave:
+        for wave in self.residency.waves(step):
+            self._copy(layer, wave.loads, wave.slots)
+            if wave.experts:
                 slot_of = self.cache.resident(layer)
-                slots_np = np.array([slot_of.get(e, -1) if e in wave else -1 for e in flat], dtype=np.int64)
+                slots_np = np.array([slot_of.get(e, -1) if e in wave.experts else -1 for e in flat], dtype=np.int64)
                 n_valid = int((slots_np >= 0).sum())
                 if self.cuda:
                     self._wait_copies(slots_np[slots_np >= 0])
@@ -177,33 +147,14 @@ class ExpertManager:
                     done = torch.cuda.Event()
                     done.record()
                     self.layer_done[layer] = done
-            if not queue:
-                break
-            protected = set()
 
-        if self.policy.wants_prediction:
-            self._prefetch_next(layer, x, rec)
-        self.policy.on_access(layer, demand)
+        if nxt is not None:                           # after this layer's copies: its own misses go first
+            wanted, slots = self.residency.prefetch(nxt, predicted, step.rec)
+            self._copy(nxt, wanted, slots)
+        self.residency.end_layer(step)
         if cpu_job is not None:
             self._finish_cpu(cpu_job, y_pairs)
-        resident_after = self.cache.resident(layer)
-        rec.resident = len(resident_after)
-        rec.resident_used = sum(1 for e in demand if e in resident_after)
         return self._combine(y_pairs, weights, T, k, x.dtype)
-
-    # ---------------------------------------------------------------------------------------------- prefetch
-    def _prefetch_next(self, layer: int, x: torch.Tensor, rec) -> None:
-        pos = self.layer_pos[layer]
-        if pos + 1 >= len(self.layers):
-            return
-        nxt = self.layers[pos + 1]
-        ids_next, _ = self.predictors[nxt](x)
-        experts, counts = np.unique(ids_next.reshape(-1).cpu().numpy(), return_counts=True)
-        resident = self.cache.resident(nxt)
-        wanted = [e for e in self.policy.prefetch(nxt, dict(zip(experts.tolist(), counts.tolist())), set(resident))
-                  if e not in resident][: self.cache.capacity]
-        rec.bytes_h2d += self._load(nxt, wanted, set(wanted))
-        rec.prefetches += len(wanted)
 
     # --------------------------------------------------------------------------------------------------- CPU
     def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int]):
@@ -255,12 +206,7 @@ class ExpertManager:
         host = torch.stack([ids for _, ids in self._routing_log]).cpu().numpy()
         self._routing_log.clear()
         for layer, ids in zip(layers, host):
-            experts, counts = np.unique(ids.reshape(-1), return_counts=True)
-            rec = self.stats.layer(layer)
-            rec.pairs = rec.pairs_hit = int(ids.size)
-            rec.experts = rec.experts_hit = rec.resident_used = len(experts)
-            rec.resident = self.cache.capacity
-            rec.expert_tokens = dict(zip(experts.tolist(), counts.tolist()))
+            self.residency.record_static(layer, ids)
 
     def on_iteration(self, event: IterationEvent) -> None:
         self.policy.on_iteration(event)

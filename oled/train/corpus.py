@@ -12,7 +12,7 @@ out), and writes into ``out_dir``:
 
 The training host needs only this directory (``python -m oled.train.tiny --corpus DIR``).
 
-CLI: ``python -m oled.train.corpus --out data/stdlib-corpus [--vocab-size 8192]``.
+CLI: ``python -m oled.train.corpus --out data/stdlib-corpus [--vocab-size 6144]``.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def encode_docs(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def build_corpus(out_dir: str | Path, *, vocab_size: int = 8192, heldout_percent: int = HELDOUT_PERCENT,
+def build_corpus(out_dir: str | Path, *, vocab_size: int = 6144, heldout_percent: int = HELDOUT_PERCENT,
                  max_total_bytes: int = 30_000_000, root: str | Path | None = None,
                  tokenize: bool = True, verbose: bool = True) -> dict:
     """Write train/held-out text, manifest, tokenizer and token ids into out_dir; returns the manifest."""
@@ -131,7 +131,7 @@ def build_corpus(out_dir: str | Path, *, vocab_size: int = 8192, heldout_percent
     return manifest
 
 
-def load_corpus_ids(corpus_dir: str | Path, vocab_size: int = 8192):
+def load_corpus_ids(corpus_dir: str | Path, vocab_size: int = 6144):
     """(tokenizer, train ids, held-out ids) of a corpus directory; trains the tokenizer / tokenizes when missing."""
     d = Path(corpus_dir)
     tok_path = d / "tokenizer.json"
@@ -154,7 +154,7 @@ def load_corpus_ids(corpus_dir: str | Path, vocab_size: int = 8192):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--vocab-size", type=int, default=6144)
     p.add_argument("--heldout-percent", type=int, default=HELDOUT_PERCENT)
     p.add_argument("--max-total-mb", type=float, default=30.0)
     p.add_argument("--no-tokenize", action="store_true")

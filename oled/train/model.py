@@ -36,18 +36,18 @@ HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 @dataclass
 class TinyConfig:
     """Architecture hyper-parameters; field names are the official config.json keys."""
-    vocab_size: int = 8192
+    vocab_size: int = 6144
     hidden_size: int = 256
     num_hidden_layers: int = 7
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 768          # the dense (first) layer's MLP
-    moe_intermediate_size: int = 64       # one routed expert, and the shared expert (x num_shared_experts)
-    num_experts: int = 32
-    num_experts_per_tok: int = 4
-    n_group: int = 4
-    topk_group: int = 2
+    intermediate_size: int = 512          # the dense (first) layer's MLP
+    moe_intermediate_size: int = 32       # one routed expert, and the shared expert (x num_shared_experts)
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
     num_shared_experts: int = 1
     first_k_dense_replace: int = 1
     routed_scaling_factor: float = 2.5

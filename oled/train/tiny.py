@@ -36,11 +36,12 @@ from .evaluate import RATIOS, format_metrics, heldout_metrics, heldout_windows
 from .model import LLaDA2MoeModelLM, TinyConfig, bd_attention_mask, update_expert_bias
 from .tokenizer_train import special_token_ids
 
-# The default model: ~15 M parameters (about 30 MB in bf16), 1 dense + 6 MoE layers of 32 experts, top-4 from
-# 2 of 4 groups, one shared expert.
+# The default model: ~14.6 M parameters (about 29 MB in bf16): hidden 256, 1 dense + 6 MoE layers, each with 64
+# routed experts of intermediate 32 and LLaDA2.0-mini's routing geometry (8 groups, best 4 groups kept, top-8),
+# one shared expert; 4 query heads / 2 KV heads of head_dim 64.
 DEFAULT_MODEL = dict(hidden_size=256, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                     intermediate_size=768, moe_intermediate_size=64, num_experts=32, num_experts_per_tok=4,
-                     n_group=4, topk_group=2, num_shared_experts=1, first_k_dense_replace=1)
+                     intermediate_size=512, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
+                     n_group=8, topk_group=4, num_shared_experts=1, first_k_dense_replace=1)
 QUICK_MODEL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    n_group=2, topk_group=1, num_shared_experts=1, first_k_dense_replace=1)
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-windows", type=int, default=None, help="held-out windows of the periodic check")
     p.add_argument("--eval-max-windows", type=int, default=None, help="cap on held-out windows of the final eval")
     p.add_argument("--max-shard-mb", type=float, default=10.0, help="safetensors shard size (0 = one file)")
-    p.add_argument("--vocab-size", type=int, default=8192, help="only used if the corpus has no tokenizer yet")
+    p.add_argument("--vocab-size", type=int, default=6144, help="only used if the corpus has no tokenizer yet")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TinyConfig field, e.g. --model num_experts=64")

@@ -15,7 +15,7 @@ ROLE_TOKENS = ("<role>", "</role>", "<|role_end|>")
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, *ROLE_TOKENS)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, out_path: str | Path | None = None,
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 6144, out_path: str | Path | None = None,
                     min_frequency: int = 2):
     """Train byte-level BPE on an iterator of documents; returns the ``tokenizers.Tokenizer`` (saved if out_path)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

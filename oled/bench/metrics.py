@@ -1,0 +1,94 @@
+"""The metrics a benchmark line reports (DESIGN.md section 7), their definitions, and the aggregation over repeats."""
+from __future__ import annotations
+
+import statistics
+
+# key: (short label, unit, definition). Every result line has every key (None where a mode cannot measure it).
+METRICS: dict[str, tuple[str, str, str]] = {
+    "tpot_ms": ("TPOT", "ms", "decode wall time (prefill excluded) / generated tokens up to and including EOS, "
+                              "summed over the workload's prompts"),
+    "tokens_per_s": ("tokens/s", "tok/s", "generated tokens / decode wall time"),
+    "prefill_ms": ("prefill", "ms", "prompt prefill wall time, mean per prompt"),
+    "nfe": ("NFE", "", "denoising forwards (network function evaluations) over the workload"),
+    "tpf": ("TPF", "tok/fwd", "tokens committed per denoising forward"),
+    "iterations_per_block": ("iters/block", "", "denoising iterations per block, mean"),
+    "generated_tokens": ("tokens", "", "generated tokens over the workload (EOS included)"),
+    "hit_rate_tokens": ("hit rate (tokens)", "", "token-expert pairs served by experts already resident when the "
+                                                 "layer ran / all pairs (denoising iterations)"),
+    "hit_rate_experts": ("hit rate (experts)", "", "needed experts already resident when the layer ran / needed "
+                                                   "experts"),
+    "cache_utilization": ("cache utilisation", "", "resident experts used by at least one token in the iteration / "
+                                                   "resident experts, averaged over layers and iterations"),
+    "hits_per_loaded_expert": ("hits per loaded expert", "", "token-expert pairs served by resident experts / "
+                                                             "experts copied to the GPU (demand loads + prefetches)"),
+    "h2d_gb_per_iteration": ("H2D GB/iter", "GB", "bytes of experts copied host-to-device per denoising iteration"),
+    "cpu_pairs_per_iteration": ("CPU pairs/iter", "", "token-expert pairs computed on the CPU per iteration"),
+    "loads_per_iteration": ("loads/iter", "", "experts copied to the GPU on demand per iteration (all layers)"),
+    "prefetches_per_iteration": ("prefetches/iter", "", "speculative expert copies per iteration (all layers)"),
+    "unique_experts_per_layer_iteration": ("unique experts/layer/iter", "", "distinct experts a layer needs in one "
+                                                                            "iteration, mean"),
+    "token_agreement": ("token agreement", "", "fraction of output positions equal to the reference (`full`) run's "
+                                               "tokens for the same prompt (length differences count as mismatches)"),
+    "identical_outputs": ("identical outputs", "", "fraction of prompts whose output equals the reference exactly"),
+}
+TIMING = ("tpot_ms", "tokens_per_s", "prefill_ms")
+
+
+def aggregate(values: list) -> dict:
+    """Median and spread (min, max, max - min) over repeats; None when the metric was not measured."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "spread": None, "values": list(values)}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "spread": max(vals) - min(vals),
+            "values": list(values)}
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]] | None) -> tuple[float | None, float | None]:
+    if reference is None:
+        return None, None
+    equal = total = same = 0
+    for out, ref in zip(outputs, reference):
+        n = max(len(out), len(ref))
+        equal += sum(1 for a, b in zip(out, ref) if a == b)
+        total += n
+        same += out == ref
+    return (equal / total if total else 1.0), same / max(len(outputs), 1)
+
+
+def repeat_metrics(results, summary: dict, reference) -> dict:
+    """One repeat over a workload: results are the GenerationResults of its prompts, summary RunStats.summary()."""
+    gen = sum(len(r.token_ids) for r in results)
+    dec = sum(r.decode_s for r in results)
+    nfe = sum(r.nfe for r in results)
+    blocks = [n for r in results for n in r.iterations_per_block]
+    agree, identical = agreement([r.token_ids for r in results], reference)
+    m = {
+        "tpot_ms": dec / max(gen, 1) * 1e3,
+        "tokens_per_s": gen / dec if dec > 0 else None,
+        "prefill_ms": sum(r.prefill_s for r in results) / max(len(results), 1) * 1e3,
+        "nfe": nfe,
+        "tpf": sum(r.committed for r in results) / max(nfe, 1),
+        "iterations_per_block": sum(blocks) / len(blocks) if blocks else None,
+        "generated_tokens": gen,
+        "token_agreement": agree,
+        "identical_outputs": identical,
+    }
+    m.update(stats_metrics(summary))
+    return m
+
+
+def stats_metrics(summary: dict) -> dict:
+    tot = summary.get("totals", {})
+    forwards = max(summary.get("forwards", 0), 1)
+    return {
+        "hit_rate_tokens": summary.get("hit_rate_tokens"),
+        "hit_rate_experts": summary.get("hit_rate_experts"),
+        "cache_utilization": summary.get("cache_utilization"),
+        "hits_per_loaded_expert": (summary.get("hits_per_loaded_expert")          # undefined without any load
+                                   if tot.get("loads", 0) + tot.get("prefetches", 0) else None),
+        "h2d_gb_per_iteration": summary.get("h2d_gb_per_iteration"),
+        "cpu_pairs_per_iteration": summary.get("cpu_pairs_per_iteration"),
+        "loads_per_iteration": summary.get("loads_per_iteration"),
+        "prefetches_per_iteration": tot.get("prefetches", 0) / forwards if tot else None,
+        "unique_experts_per_layer_iteration": summary.get("unique_experts_per_layer_iteration"),
+    }

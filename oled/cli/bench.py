@@ -1,0 +1,81 @@
+"""`oled bench`: policies x budgets x workloads side by side; JSON Lines, a Markdown report and plots.
+
+  oled bench --random-weights tiny --policies full,lru,lfu --budgets 1.0,0.5,0.25 --workload code --out /tmp/b
+  oled bench --model DIR --policies full,lru,prefetch,fiddler,tide:tau=4 --budgets 1.0,0.6,0.4,0.25 \\
+             --workload code,math,chat,long --repeats 3 --out results/h200
+  oled bench --replay run.trace --policies lru,lfu,prefetch,tide --budgets 0.5,0.25 --out /tmp/replay
+  oled bench --render results/h200          (re-render the report and plots from results.jsonl)
+"""
+from __future__ import annotations
+
+import sys
+
+from .common import add_decode_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark policies x budgets x workloads side by side",
+                       description=__doc__.split("\n\n")[0])
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
+    src.add_argument("--random-weights", metavar="PRESET", help="random weights with a preset's shapes")
+    src.add_argument("--replay", metavar="TRACE", help="replay a trace from `oled trace` through the policies "
+                                                       "(CPU simulation: hit rates, loads, CPU pairs; no timing)")
+    src.add_argument("--render", metavar="DIR", help="only re-render DIR/report.md and plots from DIR/results.jsonl")
+    g = p.add_argument_group("grid")
+    g.add_argument("--policies", default="full,lru",
+                   help="comma-separated policies; options as name:key=value (tide:tau=2); `full` runs at 100%% only "
+                        "(default: full,lru)")
+    g.add_argument("--budgets", default="1.0,0.6,0.4,0.25",
+                   help="comma-separated expert budgets: fractions, percentages or sizes (default: 1.0,0.6,0.4,0.25)")
+    g.add_argument("--workload", default="code",
+                   help="comma-separated workloads: code, math, chat, long, synthetic:LEN[:N] or a .jsonl file")
+    g.add_argument("--prompts", type=int, metavar="N", help="use at most N prompts of each workload")
+    g.add_argument("--repeats", type=int, default=3, help="timed passes per run (median and spread; default 3)")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up prompts per run, excluded (default 1)")
+    g.add_argument("--out", default="oled-bench", help="output directory (default: oled-bench)")
+    g.add_argument("--breakdown", metavar="POLICY@BUDGET",
+                   help="run whose per-iteration time breakdown is plotted (default: the first non-full policy at "
+                        "the smallest budget)")
+    g.add_argument("--profile-all", action="store_true", help="profiled pass for every run (sections in every line)")
+    g.add_argument("--no-profile", dest="profile", action="store_false", help="no profiled pass (no breakdown)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    e = p.add_argument_group("runtime")
+    e.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
+    e.add_argument("--seed", type=int, default=0, help="random-weights and run seed")
+    e.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    e.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
+    e.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
+    e.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
+    e.add_argument("--tide-tau", type=int, help="tide: default refresh period (or give tide:tau=N)")
+    e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
+                                        "reference pass, or from the trace when replaying)")
+    add_decode_args(p)
+
+
+def run(args) -> int:
+    from ..bench import BenchConfig, render, run_bench
+    from ..bench.runner import parse_list
+    from .common import decode_params
+
+    if args.render:
+        path = render(args.render, breakdown=args.breakdown)
+        print(f"wrote {path}", file=sys.stderr)
+        return 0
+    if args.model and args.random_weights:
+        raise ValueError("give --model or --random-weights, not both")
+    cfg = BenchConfig(policies=parse_list(args.policies), budgets=parse_list(args.budgets),
+                      workloads=parse_list(args.workload), out=args.out, model=args.model,
+                      random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
+                      dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
+                      decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
+                      tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
+                      profile_all=args.profile_all, profile=args.profile, replay=args.replay,
+                      progress=args.progress)
+    rows = run_bench(cfg)
+    if not rows:
+        print("no run completed (see the messages above)", file=sys.stderr)
+        return 1
+    print(f"{len(rows)} runs -> {args.out}/results.jsonl, report {args.out}/report.md, plots {args.out}/plots/",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,87 @@
+"""`oled serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
+
+Binds to loopback by default. The decoding flags (--gen-length, --block-length, --threshold, ...) set the defaults
+of requests that leave those fields out (--gen-length is the default max_tokens).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+
+from .common import add_decode_args, add_engine_args, decode_params, engine_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve the model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
+                                   "/v1/chat/completions (streaming with server-sent events), /health, /metrics.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    g.add_argument("--api-key", default=os.environ.get("OLED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $OLED_API_KEY)")
+    g.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for the engine; more get HTTP 429 (default: 16)")
+    g.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    add_engine_args(p)
+    add_decode_args(p)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.create_server(addr[:2], family=family, backlog=128)
+    except (OSError, socket.gaierror) as e:
+        reason = str(e.strerror or e).split(" (while attempting")[0]
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args) -> int:
+    from ..server import require_serve_deps
+
+    require_serve_deps()
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    defaults = decode_params(args)
+    defaults.validate()
+    sock = _listen(args.host, args.port)     # before loading: a busy port fails fast
+
+    try:
+        import uvicorn
+
+        from ..engine import Engine
+        from ..server.routes import create_app
+
+        engine = Engine(engine_config(args), progress=True)
+        app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                         max_queue=args.max_queue, defaults=defaults)
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    name = args.served_model_name or engine.model_name
+    print(f"oled serve: {engine.describe()}", file=sys.stderr)
+    print(f"oled serve: serving {name!r} at http://{url_host}:{port}/v1 (queue limit {args.max_queue}"
+          f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    if not _is_loopback(host) and not args.api_key:
+        print(f"oled serve: warning: listening on {host} without --api-key: anyone who can reach this machine "
+              f"can use the server", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,91 @@
+"""`oled trace`: record routing, token states and confidences per iteration and layer; print the locality report.
+
+  oled trace --random-weights tiny --workload code --out /tmp/t.trace
+  oled trace --model DIR --workload chat --prompts 4 --gen-length 256 --out chat.trace --json locality.json
+  oled trace --report chat.trace            (the locality report of an existing trace)
+  oled bench --replay chat.trace --policies lru,prefetch,tide --budgets 0.5,0.25   (hit rates without a GPU)
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import add_decode_args, add_engine_args, decode_params, engine_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("trace", help="record routing and confidence per iteration; report locality",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", metavar="FILE", help="trace file to write")
+    p.add_argument("--report", metavar="TRACE", help="only print the locality report of an existing trace")
+    p.add_argument("--workload", default="code",
+                   help="code, math, chat, long, synthetic:LEN[:N] or a .jsonl file (default: code)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt instead of a workload (repeatable)")
+    p.add_argument("--prompts", type=int, metavar="N", help="use at most N prompts of the workload")
+    p.add_argument("--no-predictions", dest="predictions", action="store_false",
+                   help="do not record the next layer's predicted routing (replaying `prefetch` then uses the "
+                        "actual routing of the next layer as its prediction)")
+    p.add_argument("--json", metavar="FILE", help="also write the locality report as JSON")
+    add_engine_args(p)
+    add_decode_args(p)
+    p.set_defaults(gen_length=64)
+
+
+def run(args) -> int:
+    from ..trace import Trace, format_locality, locality
+
+    if args.report:
+        trace = Trace.load(args.report)
+    else:
+        if not args.out:
+            raise ValueError("give --out FILE (the trace to write) or --report TRACE")
+        trace = _record(args)
+    rep = locality(trace)
+    print(format_locality(rep))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 0
+
+
+def _record(args):
+    from ..bench.workloads import Prompt, Workload, load
+    from ..engine import Engine
+    from ..trace import record_trace, replay
+
+    cfg = engine_config(args)
+    engine = Engine(cfg, progress=True)
+    if args.prompt:
+        workload = Workload("prompts", "command line", [Prompt(f"prompt-{i:02d}", prompt=t)
+                                                        for i, t in enumerate(args.prompt)],
+                            {"provenance": "given on the command line"})
+    else:
+        workload = load(args.workload, engine.tokenizer, args.prompts)
+    params = decode_params(args)
+    prompts = [(p.id, p.ids(engine.tokenizer)) for p in workload.prompts]
+    n = len(prompts)
+
+    def progress(pid, res):
+        progress.i += 1
+        print(f"[{progress.i}/{n}] {pid}: {len(res.token_ids)} tokens, {res.nfe} forwards", file=sys.stderr)
+    progress.i = 0
+
+    trace, _ = record_trace(engine, prompts, params, workload=workload.describe(), predictions=args.predictions,
+                            on_prompt=progress)
+    path = trace.save(args.out)
+    engine.manager.close()
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    # Self-check: replaying the trace through the recording policy and budget gives the live run's statistics.
+    live = trace.header["live"]
+    options = {"tau": cfg.tide_tau, "popularity": cfg.popularity}
+    try:
+        rep = replay(trace, live["policy"], live["expert_budget"], **options)
+        same = rep.stats.summary(kinds=("prefill", "iteration", "cache_fill")).get("totals", {}) == live["totals"]
+        print(f"replay check ({live['policy']}, {live['slots_per_layer']} slots per layer): "
+              f"{'same hit, load and CPU counts as the live run' if same else 'DIFFERS from the live run'}",
+              file=sys.stderr)
+    except (ValueError, RuntimeError) as e:
+        print(f"replay check skipped: {e}", file=sys.stderr)
+    print("", file=sys.stderr)
+    return trace

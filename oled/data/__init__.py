@@ -1,0 +1,1 @@
+"""Data shipped with OLED-MoE (benchmark workloads under workloads/)."""

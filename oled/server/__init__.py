@@ -1,0 +1,31 @@
+"""The OpenAI-compatible HTTP server (`oled serve`) and the pieces `oled chat` shares with it.
+
+Layout: `text` (incremental detokenization and stop strings, no dependencies), `serving` (request translation, the
+queue and the one worker thread that owns the engine), `metrics` (Prometheus text), `protocol` (pydantic request
+models and response builders) and `routes` (the FastAPI app). FastAPI, uvicorn and pydantic are optional
+(`pip install 'oled[serve]'`): only `protocol` and `routes` import them, and `require_serve_deps()` reports a
+missing one in one line.
+"""
+from __future__ import annotations
+
+SERVE_DEPS = ("fastapi", "uvicorn", "pydantic")
+
+
+def require_serve_deps() -> None:
+    """Raise RuntimeError (one line) when an optional serving dependency is missing."""
+    import importlib.util
+
+    missing = [m for m in SERVE_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"the server needs {', '.join(missing)} (not installed): pip install 'oled[serve]'")
+
+
+def create_app(engine, **options):
+    """The FastAPI app serving `engine` (see routes.create_app for the options)."""
+    require_serve_deps()
+    from .routes import create_app as _create
+
+    return _create(engine, **options)
+
+
+__all__ = ["create_app", "require_serve_deps", "SERVE_DEPS"]

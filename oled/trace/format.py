@@ -1,0 +1,164 @@
+"""The trace file: every call the decoding loop and the MoE layers made to the expert manager, with the routing.
+
+One compressed NumPy archive (np.savez_compressed, any file name). `ops` is the call log, in order:
+  (REQUEST, r)    on_request_start() of request r
+  (BEGIN, kind)   begin_forward(kind) of the next forward (kind index into KINDS)
+  (RUN, i)        run(layer, x, ids, weights) of run i: layer run_layer[i], rows run_offset[i]:run_offset[i+1] of
+                  ids / weights (top-k expert ids and weights per token of the forward, token-major)
+  (END, 0)        end_forward()
+  (EVENT, j)      on_iteration(event j): block, step, iteration, done, per block position state and confidence
+Per forward: kind, start position and token count (so rows map to block positions: block row = position - start).
+Per run, optionally, the predicted routing of the next MoE layer (that layer's router applied to this layer's
+input, what `prefetch` policies see): rows pred_offset[i]:pred_offset[i+1] of pred_ids (empty for the last layer).
+Per request: prompt and output token ids. `header` is a JSON document: model shapes, engine and decoding settings,
+the workload, the live run's statistics (for the replay check), git commit, date.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..policies.base import IterationEvent
+
+REQUEST, BEGIN, RUN, END, EVENT = range(5)
+KINDS = ("prefill", "iteration", "cache_fill")
+FORMAT = "oled-trace/1"
+
+
+@dataclass
+class Trace:
+    header: dict
+    ops: np.ndarray                 # [N, 2] int32
+    fwd_kind: np.ndarray            # [F] int8
+    fwd_start: np.ndarray           # [F] int32
+    fwd_tokens: np.ndarray          # [F] int32
+    run_layer: np.ndarray           # [R] int32
+    run_forward: np.ndarray         # [R] int32
+    run_offset: np.ndarray          # [R+1] int64
+    ids: np.ndarray                 # [rows, k] int16
+    weights: np.ndarray             # [rows, k] float32
+    pred_offset: np.ndarray         # [R+1] int64
+    pred_ids: np.ndarray            # [pred rows, k] int16
+    ev_forward: np.ndarray          # [V] int32: the iteration forward the event follows
+    ev_block: np.ndarray
+    ev_step: np.ndarray
+    ev_iteration: np.ndarray
+    ev_done: np.ndarray             # [V] bool
+    ev_offset: np.ndarray           # [V+1] int64
+    ev_state: np.ndarray            # [sum B] int8
+    ev_conf: np.ndarray             # [sum B] float32
+    req_prompt_offset: np.ndarray   # [Q+1]
+    req_prompt_ids: np.ndarray
+    req_output_offset: np.ndarray   # [Q+1]
+    req_output_ids: np.ndarray
+    fwd_request: np.ndarray = field(default=None)   # [F] int32, derived
+
+    def __post_init__(self):
+        if self.fwd_request is None:
+            req = np.full(len(self.fwd_kind), -1, dtype=np.int32)
+            current, f = -1, 0
+            for op, arg in self.ops:
+                if op == REQUEST:
+                    current = arg
+                elif op == BEGIN:
+                    req[f] = current
+                    f += 1
+            self.fwd_request = req
+
+    # ------------------------------------------------------------------------------------------------ access
+    @property
+    def layers(self) -> list[int]:
+        return list(self.header["model"]["moe_layers"])
+
+    @property
+    def has_predictions(self) -> bool:
+        return bool(self.header.get("predictions"))
+
+    def run_ids(self, i: int) -> np.ndarray:
+        return self.ids[self.run_offset[i]: self.run_offset[i + 1]]
+
+    def run_pred(self, i: int) -> np.ndarray | None:
+        a, b = self.pred_offset[i], self.pred_offset[i + 1]
+        return self.pred_ids[a:b] if b > a else None
+
+    def event(self, j: int) -> IterationEvent:
+        a, b = self.ev_offset[j], self.ev_offset[j + 1]
+        return IterationEvent(block=int(self.ev_block[j]), step=int(self.ev_step[j]),
+                              iteration=int(self.ev_iteration[j]), state=self.ev_state[a:b].copy(),
+                              confidence=self.ev_conf[a:b].astype(np.float64), block_done=bool(self.ev_done[j]))
+
+    def prompt_ids(self, r: int) -> np.ndarray:
+        return self.req_prompt_ids[self.req_prompt_offset[r]: self.req_prompt_offset[r + 1]]
+
+    def output_ids(self, r: int) -> np.ndarray:
+        return self.req_output_ids[self.req_output_offset[r]: self.req_output_offset[r + 1]]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_prompt_offset) - 1
+
+    def popularity(self) -> dict[int, dict[int, int]]:
+        """layer -> expert -> tokens routed over every forward (what `oled calibrate` measures)."""
+        pop: dict[int, dict[int, int]] = {}
+        for layer in np.unique(self.run_layer).tolist():
+            rows = [self.run_ids(i) for i in np.nonzero(self.run_layer == layer)[0]]
+            experts, counts = np.unique(np.concatenate(rows).reshape(-1), return_counts=True)
+            pop[layer] = dict(zip(experts.tolist(), counts.tolist()))
+        return pop
+
+    def describe(self) -> str:
+        h = self.header
+        kinds = {k: int((self.fwd_kind == i).sum()) for i, k in enumerate(KINDS)}
+        return (f"{h['model']['name']}: {self.num_requests} requests, {len(self.fwd_kind)} forwards "
+                f"({kinds['iteration']} iterations, {kinds['prefill']} prefills, {kinds['cache_fill']} cache fills), "
+                f"{len(self.layers)} MoE layers x {h['model']['num_experts']} experts, top-{h['model']['top_k']}, "
+                f"block {h['decode']['block_length']}; recorded with {h['live']['policy']} at "
+                f"{h['live'].get('budget_fraction', 0):.0%} ({h['live'].get('slots_per_layer')} slots per layer) on "
+                f"{h['env']['label']}")
+
+    # ------------------------------------------------------------------------------------------------ files
+    def save(self, path) -> Path:
+        path = Path(path)
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {name: getattr(self, name) for name in ARRAYS}
+        header = json.dumps(self.header, default=_json_default).encode()
+        with open(path, "wb") as f:
+            np.savez_compressed(f, header=np.frombuffer(header, dtype=np.uint8), **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"trace file {str(path)!r} not found")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not an oled trace ({e})") from None
+        if "header" not in data or "ops" not in data:
+            raise ValueError(f"{path}: not an oled trace (no header/ops)")
+        header = json.loads(data.pop("header").tobytes().decode())
+        if header.get("format") != FORMAT:
+            raise ValueError(f"{path}: trace format {header.get('format')!r}, this version reads {FORMAT!r}")
+        missing = [a for a in ARRAYS if a not in data]
+        if missing:
+            raise ValueError(f"{path}: trace lacks {', '.join(missing)}")
+        return cls(header=header, **{a: data[a] for a in ARRAYS})
+
+
+ARRAYS = ("ops", "fwd_kind", "fwd_start", "fwd_tokens", "run_layer", "run_forward", "run_offset", "ids", "weights",
+          "pred_offset", "pred_ids", "ev_forward", "ev_block", "ev_step", "ev_iteration", "ev_done", "ev_offset",
+          "ev_state", "ev_conf", "req_prompt_offset", "req_prompt_ids", "req_output_offset", "req_output_ids")
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)

@@ -1,0 +1,194 @@
+"""Recording a trace: a thin wrapper around the expert manager (and a tap on the model for forward positions).
+
+Off by default: nothing is recorded unless `record()` (or `oled trace`) puts the recorder in place. The routing is
+kept on the device during a forward and moved to the host in one transfer per forward, like the manager's static
+path, so recording adds no host round trip per layer.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..decoding.loop import generate
+from .format import BEGIN, END, EVENT, FORMAT, KINDS, REQUEST, RUN, Trace
+
+
+class TraceRecorder:
+    """Stands in for the ExpertManager (as the loop's manager and as every MoE block's `experts`): records each
+    call, then forwards it. Any other attribute is the manager's."""
+
+    def __init__(self, manager, predictions: bool = True):
+        self.manager = manager
+        self.layers = list(manager.layers)
+        self.predictions = predictions
+        self.ops: list[tuple[int, int]] = []
+        self.fwd_kind: list[int] = []
+        self.fwd_start: list[int] = []
+        self.fwd_tokens: list[int] = []
+        self.run_layer: list[int] = []
+        self.run_forward: list[int] = []
+        self.run_rows: list[int] = [0]
+        self.pred_rows: list[int] = [0]
+        self.ids_chunks: list[np.ndarray] = []
+        self.w_chunks: list[np.ndarray] = []
+        self.pred_chunks: list[np.ndarray] = []
+        self.events: list[tuple] = []
+        self.requests: list[dict] = []
+        self._pending: list[tuple] = []
+        self._forward = -1
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["manager"], name)
+
+    # ----------------------------------------------------------------------------------------- manager calls
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        pred = None
+        if self.predictions:
+            pos = self.layers.index(layer) + 1
+            if pos < len(self.layers):
+                pred, _ = self.manager.predictors[self.layers[pos]](x)
+        self.ops.append((RUN, len(self.run_layer)))
+        self.run_layer.append(layer)
+        self.run_forward.append(self._forward)
+        self._pending.append((ids, weights, pred))
+        return self.manager.run(layer, x, ids, weights)
+
+    def begin_forward(self, kind: str) -> None:
+        self._flush()
+        self._forward += 1
+        self.ops.append((BEGIN, KINDS.index(kind)))
+        self.fwd_kind.append(KINDS.index(kind))
+        self.fwd_start.append(-1)
+        self.fwd_tokens.append(-1)
+        self.manager.begin_forward(kind)
+
+    def end_forward(self) -> None:
+        self._flush()
+        self.ops.append((END, 0))
+        self.manager.end_forward()
+
+    def on_iteration(self, event) -> None:
+        self.ops.append((EVENT, len(self.events)))
+        self.events.append((self._forward, event.block, event.step, event.iteration, event.block_done,
+                            np.asarray(event.state, dtype=np.int8).copy(),
+                            np.asarray(event.confidence, dtype=np.float32).copy()))
+        self.manager.on_iteration(event)
+
+    def on_request_start(self) -> None:
+        self.ops.append((REQUEST, len(self.requests) - 1))
+        self.manager.on_request_start()
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+    def forward_position(self, start: int, tokens: int) -> None:
+        self.fwd_start[self._forward] = start
+        self.fwd_tokens[self._forward] = tokens
+
+    def begin_request(self, prompt_id: str, prompt_ids: list[int]) -> None:
+        self.requests.append({"id": prompt_id, "prompt_ids": list(prompt_ids), "output_ids": []})
+
+    def end_request(self, output_ids: list[int]) -> None:
+        self.requests[-1]["output_ids"] = list(output_ids)
+
+    def _flush(self) -> None:
+        """Move the current forward's routing to the host (one transfer per kind of tensor)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        shapes = {tuple(ids.shape) for ids, _, _ in pending}
+        if len(shapes) == 1:
+            ids_host = torch.stack([p[0] for p in pending]).cpu().numpy()
+            w_host = torch.stack([p[1] for p in pending]).float().cpu().numpy()
+        else:
+            ids_host = [p[0].cpu().numpy() for p in pending]
+            w_host = [p[1].float().cpu().numpy() for p in pending]
+        preds = [p[2] for p in pending if p[2] is not None]
+        pred_host = iter(torch.stack(preds).cpu().numpy() if preds and len({tuple(t.shape) for t in preds}) == 1
+                         else [t.cpu().numpy() for t in preds])
+        for i, (_, _, pred) in enumerate(pending):
+            self.ids_chunks.append(np.asarray(ids_host[i], dtype=np.int16))
+            self.w_chunks.append(np.asarray(w_host[i], dtype=np.float32))
+            self.run_rows.append(self.run_rows[-1] + ids_host[i].shape[0])
+            if pred is not None:
+                p = np.asarray(next(pred_host), dtype=np.int16)
+                self.pred_chunks.append(p)
+                self.pred_rows.append(self.pred_rows[-1] + p.shape[0])
+            else:
+                self.pred_rows.append(self.pred_rows[-1])
+
+    def to_trace(self, header: dict) -> Trace:
+        self._flush()
+        k = header["model"]["top_k"]
+
+        def cat(chunks, dtype, width):
+            return np.concatenate(chunks).astype(dtype) if chunks else np.zeros((0, width), dtype=dtype)
+
+        def offsets(lists):
+            return np.cumsum([0] + [len(x) for x in lists]).astype(np.int64)
+
+        ev = self.events
+        header = dict(header, format=FORMAT, predictions=self.predictions,
+                      requests=[r["id"] for r in self.requests])
+        return Trace(
+            header=header,
+            ops=np.asarray(self.ops, dtype=np.int32).reshape(-1, 2),
+            fwd_kind=np.asarray(self.fwd_kind, dtype=np.int8),
+            fwd_start=np.asarray(self.fwd_start, dtype=np.int32),
+            fwd_tokens=np.asarray(self.fwd_tokens, dtype=np.int32),
+            run_layer=np.asarray(self.run_layer, dtype=np.int32),
+            run_forward=np.asarray(self.run_forward, dtype=np.int32),
+            run_offset=np.asarray(self.run_rows, dtype=np.int64),
+            ids=cat(self.ids_chunks, np.int16, k),
+            weights=cat(self.w_chunks, np.float32, k),
+            pred_offset=np.asarray(self.pred_rows, dtype=np.int64),
+            pred_ids=cat(self.pred_chunks, np.int16, k),
+            ev_forward=np.asarray([e[0] for e in ev], dtype=np.int32),
+            ev_block=np.asarray([e[1] for e in ev], dtype=np.int32),
+            ev_step=np.asarray([e[2] for e in ev], dtype=np.int32),
+            ev_iteration=np.asarray([e[3] for e in ev], dtype=np.int32),
+            ev_done=np.asarray([e[4] for e in ev], dtype=bool),
+            ev_offset=offsets([e[5] for e in ev]),
+            ev_state=np.concatenate([e[5] for e in ev]) if ev else np.zeros(0, np.int8),
+            ev_conf=np.concatenate([e[6] for e in ev]) if ev else np.zeros(0, np.float32),
+            req_prompt_offset=offsets([r["prompt_ids"] for r in self.requests]),
+            req_prompt_ids=np.asarray([t for r in self.requests for t in r["prompt_ids"]], dtype=np.int32),
+            req_output_offset=offsets([r["output_ids"] for r in self.requests]),
+            req_output_ids=np.asarray([t for r in self.requests for t in r["output_ids"]], dtype=np.int32),
+        )
+
+
+class _ModelTap:
+    """The model, seen by the decoding loop, reporting each forward's start position and token count."""
+
+    def __init__(self, model, recorder: TraceRecorder):
+        self._model, self._recorder = model, recorder
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_model"], name)
+
+    def __call__(self, input_ids, start, *args, **kwargs):
+        self._recorder.forward_position(int(start), int(input_ids.shape[0]))
+        return self._model(input_ids, start, *args, **kwargs)
+
+
+def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None) -> tuple[TraceRecorder, list]:
+    """Run prompts [(id, token ids)] through the engine with a recorder in place; returns the recorder and the
+    GenerationResults. The engine's manager is put back afterwards."""
+    rec = TraceRecorder(engine.manager, predictions=predictions)
+    blocks = engine.model.moe_blocks()
+    tap = _ModelTap(engine.model, rec)
+    results = []
+    for block in blocks:
+        block.experts = rec
+    try:
+        for pid, ids in prompts:
+            params.validate()
+            rec.begin_request(pid, ids)
+            res = generate(tap, rec, ids, params, timer=engine.timer)
+            rec.end_request(res.token_ids)
+            results.append(res)
+            if on_prompt is not None:
+                on_prompt(pid, res)
+    finally:
+        for block in blocks:
+            block.experts = engine.manager
+    return rec, results

@@ -1,0 +1,251 @@
+"""The offload runtime end to end on tiny random-weights models (CPU, fp32):
+
+- the expert budget is never exceeded, after every layer and after every single insert, waves included;
+- every GPU-only policy (lru, lfu, prefetch) gives bit-identical logits and tokens to `full`;
+- the CPU-using policies (fiddler, tide) give the same tokens as `full` (their CPU kernel sums in another order, so
+  logits agree to rounding only);
+- the manager refuses policies that break its contract.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import oled
+from oled.decoding.kv_cache import KVCache
+from oled.policies import make_policy
+from oled.policies.lru import LRUPolicy
+from oled.runtime.budget import parse_budget
+from oled.runtime.manager import ExpertManager
+
+PRESETS = ["tiny", "tiny-lladamoe"]          # llada2_moe (2 MoE layers, 16 experts, top-4); lladamoe (2, 8, top-2)
+GPU_POLICIES = ["lru", "lfu", "prefetch"]
+CPU_POLICIES = ["fiddler", "tide"]
+PROMPT = "hello world, how are you today?"
+GEN = dict(gen_length=48)                    # two blocks of 32 (the second partly past the end)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is fastest, and it keeps the run fast on a shared, busy machine (spinning
+    OpenMP workers of several processes slow each other down by 10x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_llm(preset, policy="full", budget="1.0", **kw):
+    return oled.LLM(random_weights=preset, device="cpu", dtype="float32", expert_budget=budget, policy=policy, **kw)
+
+
+def one_slot(preset) -> str:
+    return {"tiny": "0.0625", "tiny-lladamoe": "0.125"}[preset]       # 1 expert slot per MoE layer: waves
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def reference(request):
+    """`full` on the preset: the engine, the tokens of PROMPT, and the popularity of that run (for fiddler)."""
+    llm = make_llm(request.param)
+    out = llm.generate(PROMPT, **GEN)
+    return request.param, llm, out.token_ids, llm.engine.manager.stats.popularity()
+
+
+# ------------------------------------------------------------------------------------------------ budget checks
+class BudgetWatch:
+    """Checks the cache invariants after every insert and after every MoE layer the manager runs."""
+
+    def __init__(self, manager):
+        self.m, self.cache = manager, manager.cache
+        self.checks = 0
+        self.max_wave_layers = 0          # layers whose experts on the GPU exceeded the slots (served in waves)
+        insert, run = self.cache.insert, manager.run
+
+        def checked_insert(layer, expert):
+            slot = insert(layer, expert)
+            self.check()
+            return slot
+
+        def checked_run(layer, x, ids, weights):
+            y = run(layer, x, ids, weights)
+            self.check()
+            if manager.stats.records and manager.stats.records[-1].layer == layer:
+                rec = manager.stats.records[-1]
+                if rec.experts_hit + rec.loads > self.cache.capacity:
+                    self.max_wave_layers += 1
+            return y
+
+        self.cache.insert, manager.run = checked_insert, checked_run
+
+    def check(self):
+        cache = self.cache
+        cap = cache.capacity
+        assert cache.pool.shape[0] == cache.budget.slots == cap * len(cache.layers)
+        for i, layer in enumerate(cache.layers):
+            res = cache.resident(layer)
+            slots = list(res.values())
+            assert len(res) <= cap, (layer, len(res), cap)
+            assert len(set(slots)) == len(slots)
+            assert all(i * cap <= s < (i + 1) * cap for s in slots)             # the layer's own slots
+            assert set(slots).isdisjoint(cache.free[layer])
+            assert len(slots) + len(cache.free[layer]) == cap
+        assert cache.resident_bytes <= cache.budget.bytes
+        self.checks += 1
+
+
+def policy_options(policy, popularity):
+    return {"popularity": popularity} if policy == "fiddler" else {"tide_tau": 2} if policy == "tide" else {}
+
+
+@pytest.mark.parametrize("policy", GPU_POLICIES + CPU_POLICIES)
+@pytest.mark.parametrize("budget", ["one-slot", "0.25", "0.5"])
+def test_budget_never_exceeded_and_tokens_match_full(reference, policy, budget):
+    preset, _, ref_tokens, popularity = reference
+    spec = one_slot(preset) if budget == "one-slot" else budget
+    llm = make_llm(preset, policy, spec, **policy_options(policy, popularity))
+    m = llm.engine.manager
+    E = m.config.num_experts
+    assert m.cache.capacity == {"one-slot": 1, "0.25": E // 4, "0.5": E // 2}[budget]
+    watch = BudgetWatch(m)
+    pol = llm.engine.policy
+    if policy == "tide":                                 # loads only at refreshes
+        plan = pol.plan
+
+        def checked_plan(layer, demand, res):
+            out = plan(layer, demand, res)
+            assert not out.load or pol.refresh_due()
+            return out
+        pol.plan = checked_plan
+    watch.check()                                        # the initial placement too (fiddler)
+    out = llm.generate(PROMPT, **GEN)
+    assert out.token_ids == ref_tokens, (preset, policy, spec)
+    assert watch.checks > 2 * len(m.layers)
+    tot = llm.stats()["totals"]
+    assert tot["pairs_hit"] <= tot["pairs"]
+    assert all(r.resident <= m.cache.capacity for r in m.stats.records)
+    if policy in GPU_POLICIES:
+        assert tot["pairs_cpu"] == 0 and tot["loads"] > 0
+    if policy == "fiddler":
+        assert tot["loads"] == 0 and tot["pairs_cpu"] > 0
+    if policy == "tide":
+        assert tot["pairs_cpu"] > 0 and tot["loads"] > 0
+    if budget == "one-slot" and policy not in CPU_POLICIES:
+        assert watch.max_wave_layers > 0                 # waves really happened
+
+
+def test_second_request_on_a_warm_cache(reference):
+    preset, _, ref_tokens, popularity = reference
+    for policy in ("lru", "tide"):
+        llm = make_llm(preset, policy, "0.25", **policy_options(policy, popularity))
+        watch = BudgetWatch(llm.engine.manager)
+        first = llm.generate("something else entirely", gen_length=20)
+        assert llm.generate(PROMPT, **GEN).token_ids == ref_tokens
+        assert make_llm(preset).generate("something else entirely", gen_length=20).token_ids == first.token_ids
+        assert watch.checks > 0
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_cache_modes(reference, cache):
+    preset, ref_llm, _, _ = reference
+    ref = ref_llm.generate(PROMPT, gen_length=40, cache=cache).token_ids
+    for policy in ("prefetch", "tide"):
+        llm = make_llm(preset, policy, "0.25")
+        BudgetWatch(llm.engine.manager)
+        assert llm.generate(PROMPT, gen_length=40, cache=cache).token_ids == ref, (policy, cache)
+
+
+# ----------------------------------------------------------------------------------------------- logits, exact
+def _install(engine, manager):
+    for block in engine.model.moe_blocks():
+        block.experts = manager
+        manager.predictors[block.layer_idx] = block.route
+
+
+def _forward(engine, manager, tokens):
+    kv = KVCache(engine.config, len(tokens), engine.dtype, engine.device)
+    manager.begin_forward("iteration")
+    logits = engine.model(torch.tensor(tokens, dtype=torch.int64), 0, kv, None, slice(None))
+    manager.end_forward()
+    return logits
+
+
+def _inputs(engine):
+    cfg = engine.config
+    rng = np.random.default_rng(0)
+    a = engine.tokenizer.encode(PROMPT) + [cfg.mask_token_id] * 24
+    b = rng.integers(0, 400, 20).tolist() + [cfg.mask_token_id] * 12
+    return [a, b, a]                                     # a third forward on a cache shaped by the second
+
+
+def _manager(engine, policy, budget, popularity=None, kernel=None):
+    spec = parse_budget(budget, num_layers=len(engine.config.moe_layers), num_experts=engine.config.num_experts,
+                        expert_bytes=engine.store.expert_bytes)
+    pol = make_policy(policy, popularity=popularity, tau=2)
+    return ExpertManager(engine.store, spec, pol, engine.device, kernel if pol.uses_cpu else None)
+
+
+def test_logits_bit_identical_to_full(reference):
+    preset, ref_llm, _, popularity = reference
+    eng = ref_llm.engine
+    inputs = _inputs(eng)
+    full = eng.manager
+    try:
+        want = [_forward(eng, full, t) for t in inputs]
+        assert torch.equal(want[0], want[2])
+        for policy in GPU_POLICIES:
+            for budget in (one_slot(preset), "0.25", "0.5"):
+                m = _manager(eng, policy, budget)
+                _install(eng, m)
+                for t, w in zip(inputs, want):
+                    got = _forward(eng, m, t)
+                    assert torch.equal(got, w), (preset, policy, budget, (got - w).abs().max().item())
+                assert sum(r.loads for r in m.stats.records) > 0
+        from oled.runtime.cpu_kernel import CpuExpertKernel
+        kernel = CpuExpertKernel()
+        for policy in CPU_POLICIES:
+            for budget in ("0.25", "0.5"):
+                m = _manager(eng, policy, budget, popularity, kernel)
+                _install(eng, m)
+                for t, w in zip(inputs, want):
+                    got = _forward(eng, m, t)
+                    torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
+                    assert torch.equal(got.argmax(-1), w.argmax(-1))
+                assert sum(r.pairs_cpu for r in m.stats.records) > 0
+                m.close()
+        kernel.close()
+    finally:
+        _install(eng, full)
+
+
+# ------------------------------------------------------------------------------------------- manager contract
+class _BadPlan(LRUPolicy):
+    name = "bad-plan"
+
+    def plan(self, layer, demand, resident):
+        plan = super().plan(layer, demand, resident)
+        plan.load = plan.load[1:]                        # drops a miss
+        return plan
+
+
+class _BadVictim(LRUPolicy):
+    name = "bad-victim"
+
+    def victim(self, layer, candidates):
+        return 10_000
+
+
+def test_manager_refuses_broken_policies():
+    eng = make_llm("tiny").engine
+    spec = parse_budget("0.25", num_layers=2, num_experts=16, expert_bytes=eng.store.expert_bytes)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    w = torch.ones(2, 4)
+    x = torch.randn(2, eng.config.hidden_size)
+    m = ExpertManager(eng.store, spec, _BadPlan(), eng.device)
+    with pytest.raises(RuntimeError, match="plan must split exactly the misses"):
+        m.run(1, x, ids, w)
+    m = ExpertManager(eng.store, spec, _BadVictim(), eng.device)
+    with pytest.raises(RuntimeError, match="victim"):
+        m.run(1, x, ids, w)
+    with pytest.raises(ValueError, match="CPU"):
+        ExpertManager(eng.store, spec, make_policy("tide"), eng.device, cpu_kernel=None)
