@@ -48,7 +48,7 @@ def fmt_cell(key: str, m: dict | None) -> str:
         return "n/a"
     text = fmt_value(key, m["median"])
     n = len([v for v in m.get("values", []) if v is not None])
-    if n > 1 and m.get("spread"):
+    if n > 1 and m.get("spread") and m["spread"] > 1e-3 * abs(m["median"]):   # hide rounding-level spreads
         half = m["spread"] / 2
         text += f" ±{half:.1%}" if key in PERCENT else f" ±{fmt_value(key, half)}"
     return text
@@ -129,11 +129,16 @@ def markdown(rows: list[dict], skipped: list[dict] = (), images: dict | None = N
              f"{model.get('expert_bytes', 0) / 2**20:.2f} MiB per expert)"
              + (f"; {model['note']}" if model.get("note") else ""),
              f"- **Decoding**: generation {decode.get('gen_length')} tokens, block {decode.get('block_length')}, "
-             f"threshold {decode.get('threshold')}, cache {decode.get('cache')}, temperature {decode.get('temperature')}",
-             f"- **Protocol**: mode {', '.join(modes)}; {bench.get('repeats')} repeat(s), "
-             f"{bench.get('warmup_prompts')} warm-up prompt(s) excluded, seed {bench.get('seed')}, "
-             f"timing: {bench.get('timing')}; cells are the median ± half the range over repeats",
-             f"- **Generated**: {first.get('timestamp')} ({len(rows)} runs)"]
+             f"threshold {decode.get('threshold')}, cache {decode.get('cache')}, "
+             f"temperature {decode.get('temperature')}",
+             (f"- **Protocol**: mode {', '.join(modes)}; {bench.get('repeats')} repeat(s), "
+              f"{bench.get('warmup_prompts')} warm-up prompt(s) excluded, seed {bench.get('seed')}, "
+              f"timing: {bench.get('timing')}; cells are the median ± half the range over repeats"
+              if modes != ["replay"] else
+              f"- **Protocol**: replay of the trace `{first['workload'].get('trace')}` (recorded on "
+              f"{bench.get('trace_recorded_on')}); deterministic, one pass per run, no timing"),
+             f"- **Measured**: {min(r.get('timestamp') or '' for r in rows)} to "
+             f"{max(r.get('timestamp') or '' for r in rows)} ({len(rows)} runs)"]
     if "CPU" in labels:
         lines += ["", "> **CPU run.** Timings labelled CPU come from a CPU-only machine; they say nothing about GPU "
                       "offloading performance. GPU figures come from the H200 benchmark machine only."]
@@ -217,6 +222,10 @@ def make_plots(out: Path, rows: list[dict], series: list[dict], breakdown: str |
     pdir.mkdir(parents=True, exist_ok=True)
     images = {}
 
+    palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2", "C3", "C4", "C5"])
+    order = [p for p in _policies(rows) if p != "full"]
+    color = {p: palette[i % len(palette)] for i, p in enumerate(order)}
+
     def curves(ax, wrows, key, scale=1.0, style="-", suffix=""):
         drawn = False
         for p in _policies(wrows):
@@ -230,10 +239,12 @@ def make_plots(out: Path, rows: list[dict], series: list[dict], breakdown: str |
             lo = [(m["median"] - m["min"]) * scale for _, m in pts]
             hi = [(m["max"] - m["median"]) * scale for _, m in pts]
             if p == "full" and len(xs) == 1:
-                ax.axhline(ys[0], color="black", linestyle=":", linewidth=1, label=f"full{suffix}")
+                if style == "-":
+                    ax.axhline(ys[0], color="black", linestyle=":", linewidth=1, label="full")
                 ax.plot(xs, ys, "k*", markersize=10)
             else:
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", linestyle=style, capsize=3, label=f"{p}{suffix}")
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o" if style == "-" else "s", linestyle=style, capsize=3,
+                            color=color.get(p), label=f"{p}{suffix}")
             drawn = True
         ax.set_xlabel("expert budget (% of routed-expert bytes)")
         ax.grid(True, alpha=0.3)

@@ -13,7 +13,6 @@ CPU simulation of the manager's bookkeeping (no weights, no timing).
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +31,6 @@ from . import workloads as wl_mod
 from .env import environment, now
 from .metrics import METRICS, aggregate, repeat_metrics, stats_metrics
 
-log = logging.getLogger("oled")
 SCHEMA = "oled-bench/1"
 ALL_KINDS = ("prefill", "iteration", "cache_fill")
 BREAKDOWN = ("attention", "gpu_experts", "copy_wait", "cpu_experts", "other")
@@ -204,9 +202,24 @@ class Bench:
     def _combos(self) -> list[tuple[PolicySpec, str]]:
         combos = []
         for spec in self.specs:
-            budgets = ["1.0"] if spec.static_full else self.cfg.budgets
+            budgets = ["1.0"] if spec.static_full else self.budgets
             combos += [(spec, b) for b in budgets]
         return combos
+
+    def _check_budgets(self, num_layers: int, num_experts: int, expert_bytes: int) -> None:
+        """Drop budgets that cannot run this model (too small, malformed), once, with the reason."""
+        self.budgets = []
+        for b in self.cfg.budgets:
+            try:
+                parse_budget(b, num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes)
+            except BudgetError as e:
+                self._say(f"skipping budget {b} for every policy: {e}")
+                entry = {"workload": "*", "policy": "*", "policy_label": "every policy", "budget": b,
+                         "reason": str(e)}
+                self.skipped.append(entry)
+                self._append("skipped.jsonl", entry)
+                continue
+            self.budgets.append(b)
 
     def run(self) -> list[dict]:
         self._open_outputs()
@@ -230,6 +243,7 @@ class Bench:
                             pin_memory=cfg.pin_memory, policy="lru", expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)
         self.engine = engine
+        self._check_budgets(len(engine.config.moe_layers), engine.config.num_experts, engine.store.expert_bytes)
         self.env = environment(engine.device)
         model_info = self._model_info(engine)
         workloads = [wl_mod.load(name, engine.tokenizer, cfg.prompts) for name in cfg.workloads]
@@ -264,13 +278,21 @@ class Bench:
                 engine.manager.close()
 
     def _smallest_budget_guess(self) -> str:
-        """The engine starts with `lru` at the smallest budget given (cheapest to allocate); runs replace it."""
-        def key(b):
-            try:
-                return float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
-            except ValueError:
-                return math.inf
-        return min(self.cfg.budgets, key=key)
+        """The engine starts with `lru` at one expert slot per layer (cheapest to allocate, always valid); each run
+        replaces it. The number of experts comes from the preset or the checkpoint's config.json."""
+        from ..engine import default_model_dir
+        from ..models.config import config_from_dict
+        from ..synth import preset_config
+
+        cfg = self.cfg
+        try:
+            if cfg.random_weights:
+                raw = preset_config(cfg.random_weights, cfg.layers)
+            else:
+                raw = json.loads((Path(cfg.model or default_model_dir()) / "config.json").read_text())
+            return f"{150 / config_from_dict(raw).num_experts}%"
+        except (OSError, ValueError, KeyError, TypeError):
+            return min(cfg.budgets, key=lambda b: -_budget_key(b) if _budget_key(b) >= 0 else math.inf)
 
     def _chosen_breakdown(self, engine, combos) -> tuple[str, str] | None:
         if self.cfg.breakdown:
@@ -322,7 +344,7 @@ class Bench:
         """Reference tokens (full residency) and expert popularity for fiddler, from one untimed pass."""
         need_pop = any(s.name == "fiddler" and "popularity" not in s.options for s in self.specs) \
             and not self.cfg.popularity
-        runs = [("full", "1.0")] + ([("lru", max(self.cfg.budgets, key=_budget_key))] if need_pop else [])
+        runs = [("full", "1.0")] + ([("lru", max(self.budgets, key=_budget_key))] if need_pop and self.budgets else [])
         for policy, budget in runs:
             try:
                 engine.set_runtime(policy, budget)
@@ -470,6 +492,7 @@ class Bench:
         iters = int((trace.fwd_kind == 1).sum())
         committed = int((trace.ev_state == 2).sum())
         generated = int(len(trace.req_output_ids))
+        self._check_budgets(len(trace.layers), h["model"]["num_experts"], h["model"]["expert_bytes"])
         combos = self._combos()
         self._bar = _progress(len(combos), cfg.progress)
         try:

@@ -8,19 +8,20 @@
  * weights from DRAM, so the whole design is about reading every weight byte exactly once per call, on all cores:
  *
  *   phase 0  gather the tokens of every job into a padded bf16 (or fp32) scratch, row p = x[token_idx[p]]
- *   phase 1  all jobs' gate/up rows are cut into equal-cost chunks over the threads; each thread streams its
- *            gate and up rows once, dotting every row with all of the job's tokens (vdpbf16ps, fp32 accumulate),
- *            and writes act[p, i] = silu(g) * u
+ *            (and, for AMX jobs, pack them into VNNI tiles)
+ *   phase 1  all jobs' gate/up rows are cut into equal-cost chunks that the threads claim one by one; a chunk
+ *            streams its gate and up rows once, dotting every row with all of the job's tokens (fp32 accumulate),
+ *            and writes act[p, i] = silu(g) * u (bf16)
  *   phase 2  the same for the down rows: out[p, h] = down[h, :] . act[p, :]
- * Equal-cost chunks that cross expert boundaries keep every core busy even when one expert has 32 tokens and the
- * others 1 (a per-expert split would leave cores idle).
+ * Chunks cross expert boundaries, so every core stays busy even when one expert has 32 tokens and the others 1.
  *
  * Threads: a persistent pool (created once, pinned to distinct physical cores chosen by the Python side); a call
  * wakes the workers through a futex word after they have spun briefly, and the caller sleeps until the last worker
- * is done. Only the calling thread's GIL matters to Python, and ctypes releases it around the call.
+ * is done. ctypes releases the calling thread's GIL around the call.
  *
- * Two code paths: "avx512_bf16" (bf16 weights, AVX-512 BF16 dot products, compiled with target attributes so the
- * rest of the file stays baseline x86-64) and "portable" (plain C, fp32 accumulate, bf16 or fp32 weights).
+ * Code paths: "avx512_bf16" (vdpbf16ps with the tokens as the second operand), "amx" (the same plus AMX tiles for
+ * jobs with many tokens, where AVX-512 becomes compute-bound), both compiled with target attributes so the rest of
+ * the file stays baseline x86-64; and "portable" (plain C, fp32 accumulate, bf16 or fp32 weights).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -207,19 +208,21 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 #endif
 }
 
-/* Spin until *addr != val; spin for spin_ns first (a call that follows soon finds the threads awake), then sleep. */
+/* Wait until *addr != val: poll for spin_ns first (a call that follows soon finds the threads awake), then sleep.
+ * The polling yields the core every few checks, so a thread that shares it (the Python caller, the GPU-launching
+ * main thread, a CUDA driver thread) is not starved by a spinner; sched_yield returns at once on an idle core. */
 static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t val, int64_t spin_ns, _Atomic int *sleepers) {
     uint32_t v;
-    int64_t t0 = 0;
-    for (unsigned i = 0;; i++) {
+    int64_t t0 = now_ns();
+    for (unsigned i = 1;; i++) {
         v = atomic_load_explicit(addr, memory_order_acquire);
         if (v != val) return v;
-        if ((i & 63) == 63) {
-            int64_t t = now_ns();
-            if (!t0) t0 = t;
-            else if (t - t0 > spin_ns) break;
+        if ((i & 15) == 0) {
+            if (now_ns() - t0 > spin_ns) break;
+            sched_yield();
+        } else {
+            cpu_relax();
         }
-        cpu_relax();
     }
     for (;;) {
         if (sleepers) atomic_fetch_add(sleepers, 1);

@@ -243,6 +243,7 @@ class CpuExpertKernel:
         self.num_threads = max(1, int(num_threads))
         self._lock = threading.Lock()
         self._pool = None
+        self.cpus: list[int] = []
         lib = _load_library()
         self._lib = lib
         force_portable = force_portable or os.environ.get("OLED_CPU_KERNEL", "").lower() == "portable"
@@ -280,9 +281,10 @@ class CpuExpertKernel:
 
     def close(self) -> None:
         """Stop the worker threads (also done at garbage collection)."""
-        if self._pool is not None:
-            self._finalizer()
-            self._pool = None
+        with self._lock:  # not while a run is in flight
+            if self._pool is not None:
+                self._finalizer()
+                self._pool = None
 
     def run(self, x, token_idx, job_offsets, blobs, intermediate: int, out) -> None:
         """out[p] = down(silu(gate(x[token_idx[p]])) * up(x[token_idx[p]])) for the tokens of each job, fp32.
@@ -305,9 +307,10 @@ class CpuExpertKernel:
         if J == 0 or P == 0:
             return
         wdtype = blobs[0].dtype
+        E = 3 * I * H
         for b in blobs:
-            if b.dtype != wdtype or b.numel() != 3 * I * H or not b.is_contiguous() or b.device.type != "cpu":
-                raise ValueError(f"each blob must be a contiguous CPU tensor of 3*I*H={3 * I * H} {wdtype}")
+            if b.dtype != wdtype or b.numel() != E or not b.is_cpu or not b.is_contiguous():
+                raise ValueError(f"each blob must be a contiguous CPU tensor of 3*I*H={E} {wdtype}")
         if wdtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"unsupported blob dtype {wdtype}")
         if self._lib is None:

@@ -94,9 +94,11 @@ class ExpertManager:
                 for ev in events.values():
                     stream.wait_event(ev)
 
-    def _grouped(self, x, pair_tokens, pair_slots, y_pairs, n_valid: int) -> None:
+    def _grouped(self, layer, x, pair_tokens, pair_slots, y_pairs, n_valid: int) -> None:
         with self._section("gpu_experts"):
-            order, y = grouped_swiglu(x, pair_tokens, pair_slots, self.cache.pool, self.hidden, self.inter)
+            base = self.layer_pos[layer] * self.cache.capacity
+            order, y = grouped_swiglu(x, pair_tokens, pair_slots, self.cache.pool[base:base + self.cache.capacity],
+                                      self.hidden, self.inter, slot_base=base)
             if n_valid == pair_slots.shape[0]:
                 y_pairs.index_copy_(0, order, y)
             else:
@@ -112,7 +114,7 @@ class ExpertManager:
         y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
         if self.policy.static_full:
             pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-            self._grouped(x, pair_tokens, pair_slots, y_pairs, T * k)
+            self._grouped(layer, x, pair_tokens, pair_slots, y_pairs, T * k)
             self._routing_log.append((layer, ids))
             return self._combine(y_pairs, weights, T, k, x.dtype)
         return self._run_offloaded(layer, x, ids, weights, pair_tokens, y_pairs)
@@ -142,7 +144,7 @@ class ExpertManager:
                 if self.cuda:
                     self._wait_copies(slots_np[slots_np >= 0])
                 pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
-                self._grouped(x, pair_tokens, pair_slots, y_pairs, n_valid)
+                self._grouped(layer, x, pair_tokens, pair_slots, y_pairs, n_valid)
                 if self.cuda:
                     done = torch.cuda.Event()
                     done.record()

@@ -1,0 +1,234 @@
+"""oled bench: JSON lines with every field, the report from a small fixture, workloads, replay, skips."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oled.bench import METRICS, BenchConfig, PolicySpec, render, run_bench
+from oled.bench import workloads as wl
+from oled.decoding.params import DecodeParams
+
+TOP_LEVEL = ("schema", "run_id", "mode", "status", "label", "timestamp", "workload", "policy", "policy_label",
+             "policy_options", "budget", "budget_fraction", "slots_per_layer", "budget_bytes", "model", "engine",
+             "decode", "bench", "env", "metrics", "sections_per_iteration_ms", "stats_totals", "prompts")
+AGGREGATE = ("median", "min", "max", "spread", "values")
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(random_weights="tiny", policies=["full", "lru"], budgets=["1.0", "0.5"], workloads=["code"],
+                prompts=2, repeats=1, warmup=1, decode=DecodeParams(gen_length=16, block_length=16),
+                out=str(tmp_path / "bench"), progress=False)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    cfg = _cfg(tmp, policies=["full", "lru", "lfu"], repeats=2)
+    return cfg, run_bench(cfg)
+
+
+def test_json_lines_carry_every_field(live):
+    cfg, rows = live
+    lines = [json.loads(x) for x in open(f"{cfg.out}/results.jsonl")]
+    assert lines == json.loads(json.dumps(rows, default=str))
+    # full runs at 100 % only; every other policy at every budget
+    assert sorted((r["policy"], r["budget"]) for r in lines) == [("full", "1.0"), ("lfu", "0.5"), ("lfu", "1.0"),
+                                                                ("lru", "0.5"), ("lru", "1.0")]
+    for r in lines:
+        for key in TOP_LEVEL:
+            assert key in r, key
+        assert r["label"] == "CPU" and r["mode"] == "live" and r["status"] == "ok"
+        assert set(r["metrics"]) == set(METRICS)
+        for name, m in r["metrics"].items():
+            assert set(AGGREGATE) <= set(m), name
+            assert len(m["values"]) == 2                                       # one value per repeat
+        env = r["env"]
+        assert {"git", "platform", "cpu", "versions", "device", "label", "gpu"} <= set(env)
+        assert {"oled", "python", "torch", "numpy"} <= set(env["versions"])
+        assert "commit" in env["git"]
+        assert r["decode"]["gen_length"] == 16 and r["decode"]["block_length"] == 16
+        assert r["engine"]["policy"] == r["policy"] and r["engine"]["expert_budget"] == r["budget"]
+        assert r["bench"]["repeats"] == 2 and r["bench"]["reference"] == "full"
+        assert r["workload"]["name"] == "code" and r["workload"]["provenance"]["written_by"]
+        assert len(r["prompts"]) == 2
+        m = {k: v["median"] for k, v in r["metrics"].items()}
+        assert m["tpot_ms"] > 0 and m["tokens_per_s"] > 0 and m["nfe"] > 0 and m["tpf"] > 0
+        assert m["token_agreement"] == 1.0 and m["identical_outputs"] == 1.0     # offloading is lossless
+        assert 0.0 <= m["hit_rate_tokens"] <= 1.0 and 0.0 <= m["cache_utilization"] <= 1.0
+    half = next(r for r in lines if r["policy"] == "lru" and r["budget"] == "0.5")
+    assert half["metrics"]["hit_rate_tokens"]["median"] < 1.0
+    assert half["metrics"]["h2d_gb_per_iteration"]["median"] > 0
+    assert half["slots_per_layer"] == 8 and half["budget_fraction"] == 0.5
+
+
+def test_breakdown_and_report_of_a_live_run(live):
+    cfg, rows = live
+    profiled = [r for r in rows if r["bench"]["profiled_pass"]]
+    assert [(r["policy"], r["budget"]) for r in profiled] == [("lru", "0.5")]   # first non-full, smallest budget
+    sec = profiled[0]["sections_per_iteration_ms"]
+    assert {"attention", "gpu_experts", "copy_wait", "cpu_experts", "other", "wall"} <= set(sec)
+    assert sec["attention"] > 0 and sec["gpu_experts"] > 0
+    series = [json.loads(x) for x in open(f"{cfg.out}/iterations.jsonl")]
+    assert len(series) == 1 and len(series[0]["series_ms"]["wall"]) > 0
+    report = open(f"{cfg.out}/report.md").read()
+    assert "## Workload `code`" in report and "Per-iteration time breakdown" in report and "CPU run" in report
+
+
+def _fixture_rows():
+    """A small hand-made result set: one workload, three policies (full at 100 % only), two budgets."""
+    def metric(v, spread=0.0):
+        return None if v is None else {"median": v, "min": v - spread / 2, "max": v + spread / 2, "spread": spread,
+                                       "values": [v - spread / 2, v + spread / 2]}
+    rows = []
+    for policy, budget, frac, slots, tpot, hit in [("full", "1.0", 1.0, 16, 10.0, 1.0),
+                                                   ("lru", "1.0", 1.0, 16, 10.5, 1.0),
+                                                   ("lru", "0.5", 0.5, 8, 14.0, 0.7),
+                                                   ("oledx", "0.5", 0.5, 8, 12.0, 0.85)]:
+        metrics = {k: metric(None) for k in METRICS}
+        metrics.update(tpot_ms=metric(tpot, 0.4), tokens_per_s=metric(1e3 / tpot), hit_rate_tokens=metric(hit),
+                       hit_rate_experts=metric(hit - 0.05), cache_utilization=metric(0.9),
+                       h2d_gb_per_iteration=metric(0.01 * (1 - hit)), cpu_pairs_per_iteration=metric(0.0),
+                       token_agreement=metric(1.0), nfe=metric(100), tpf=metric(2.5), prefill_ms=metric(3.0))
+        rows.append({
+            "schema": "oled-bench/1", "run_id": f"code|{policy}|{budget}", "mode": "live", "status": "ok",
+            "label": "CPU", "timestamp": "2026-01-01T00:00:00+00:00",
+            "workload": {"name": "code", "source": "code.jsonl", "num_prompts": 2, "prompt_ids": ["a", "b"],
+                         "provenance": {"description": "fixture."}},
+            "policy": policy, "policy_label": policy, "policy_options": {}, "budget": budget,
+            "budget_fraction": frac, "slots_per_layer": slots, "budget_bytes": slots * 100,
+            "model": {"name": "fixture", "model_type": "llada2_moe", "num_layers": 3, "moe_layers": 2,
+                      "num_experts": 16, "top_k": 4, "expert_bytes": 100, "note": None},
+            "engine": {}, "decode": {"gen_length": 16, "block_length": 16, "threshold": 0.95, "cache": "prefix",
+                                     "temperature": 0.0},
+            "bench": {"repeats": 2, "warmup_prompts": 1, "seed": 0, "reference": "full", "timing": "wall clock (CPU)"},
+            "env": {"git": {"commit": "0123456789abcdef", "dirty": False}, "platform": "test",
+                    "cpu": {"model": "test cpu", "usable_cpus": 2}, "versions": {"oled": "0", "torch": "x"},
+                    "label": "CPU", "gpu": None},
+            "metrics": metrics, "sections_per_iteration_ms": None, "stats_totals": {}, "prompts": []})
+    series = {"run_id": "code|lru|0.5", "workload": "code", "policy_label": "lru", "budget": "0.5", "label": "CPU",
+              "series_ms": {"attention": [1.0, 1.1, 0.9], "gpu_experts": [2.0, 2.1, 1.9], "copy_wait": [0.5, 0, 0.2],
+                            "cpu_experts": [0, 0, 0], "other": [1.0, 1.0, 1.0], "wall": [4.5, 4.2, 4.0]}}
+    return rows, series
+
+
+def test_report_renders_from_a_small_fixture(tmp_path):
+    rows, series = _fixture_rows()
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "iterations.jsonl").write_text(json.dumps(series) + "\n")
+    (tmp_path / "skipped.jsonl").write_text(json.dumps({"workload": "code", "policy": "fiddler",
+                                                        "policy_label": "fiddler", "budget": "0.5",
+                                                        "reason": "needs a popularity file"}) + "\n")
+    report = render(tmp_path).read_text()
+    assert report.count("## Workload `code`") == 1
+    assert "| policy | 100% (16/16) | 50% (8/16) |" in report              # budgets as columns, largest first
+    assert "| full | 10.00 ±0.20 | — |" in report                          # full in the same table, 100 % only
+    assert "| lru | 10.50 ±0.20 | 14.00 ±0.20 |" in report
+    assert "| oledx | — | 12.00 ±0.20 |" in report
+    assert "| lru | 100.0% | 70.0% |" in report                            # hit rate table
+    assert "### CPU pairs/iter" in report and "### hits per loaded expert" not in report   # all n/a: no table
+    assert "`fiddler` at 0.5 on `code`: needs a popularity file" in report
+    assert "commit `0123456789ab`" in report and "Definitions (DESIGN.md section 7)" in report
+    for name in ("tpot_code.png", "hit_util_code.png", "h2d_cpu_code.png", "breakdown_lru_0.5_code.png"):
+        png = tmp_path / "plots" / name
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG", name
+        assert f"plots/{name}" in report
+
+
+def test_render_cli(tmp_path):
+    from oled.cli import main
+    rows, series = _fixture_rows()
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["bench", "--render", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").is_file()
+
+
+def test_replay_grid(tmp_path):
+    from oled.config import EngineConfig
+    from oled.engine import Engine
+    from oled.trace import record_trace
+
+    engine = Engine(EngineConfig(random_weights="tiny", expert_budget="0.5", policy="lru"))
+    ids = engine.tokenizer.encode("def add(a, b):\n")
+    trace, _ = record_trace(engine, [("p0", ids)], DecodeParams(gen_length=16, block_length=16))
+    live = engine.manager.stats.summary()
+    path = trace.save(tmp_path / "t.trace")
+    rows = run_bench(_cfg(tmp_path, replay=str(path), policies=["full", "lru", "lfu", "fiddler"],
+                          budgets=["0.5", "0.25"]))
+    by = {(r["policy"], r["budget"]): r for r in rows}
+    assert set(by) == {("full", "1.0"), ("lru", "0.5"), ("lru", "0.25"), ("lfu", "0.5"), ("lfu", "0.25"),
+                       ("fiddler", "0.5"), ("fiddler", "0.25")}
+    assert all(r["mode"] == "replay" and r["metrics"]["tpot_ms"]["median"] is None for r in rows)
+    assert by[("lru", "0.5")]["metrics"]["hit_rate_tokens"]["median"] == live["hit_rate_tokens"]
+    assert by[("fiddler", "0.25")]["metrics"]["cpu_pairs_per_iteration"]["median"] > 0
+    report = (tmp_path / "bench" / "report.md").read_text()
+    assert "Replay" in report and "### hit rate (tokens)" in report and "### TPOT" not in report
+
+
+def test_unmet_requirements_are_skipped_with_a_reason(tmp_path):
+    cfg = _cfg(tmp_path, policies=["lru", "fiddler"], budgets=["0.5", "0.01"],
+               popularity=str(tmp_path / "missing.json"), profile=False)
+    rows = run_bench(cfg)
+    assert [(r["policy"], r["budget"]) for r in rows] == [("lru", "0.5")]
+    skipped = [json.loads(x) for x in open(f"{cfg.out}/skipped.jsonl")]
+    reasons = {(s["policy"], s["budget"]): s["reason"] for s in skipped}
+    assert "too small" in reasons[("*", "0.01")]
+    assert "not found" in reasons[("fiddler", "0.5")]
+
+
+def test_policy_specs():
+    assert PolicySpec.parse("lru").label == "lru"
+    spec = PolicySpec.parse("tide:tau=2")
+    assert spec.name == "tide" and spec.options == {"tau": 2} and spec.label == "tide(tau=2)"
+    assert PolicySpec.parse("full").static_full
+    with pytest.raises(ValueError, match="unknown policy"):
+        PolicySpec.parse("nope")
+    with pytest.raises(ValueError, match="no option"):
+        PolicySpec.parse("lru:tau=2")
+
+
+def test_workloads_ship_with_provenance():
+    from oled.synth import build_tokenizer, preset_config
+    from oled.models.config import config_from_dict
+    from oled.tokenizer import Tokenizer
+
+    for name in ("code", "math", "chat", "long"):
+        w = wl.load(name)
+        assert 8 <= len(w.prompts) <= 16, name
+        for key in ("provenance", "written_by", "date", "purpose", "description"):
+            assert w.provenance.get(key), (name, key)
+        assert len({p.id for p in w.prompts}) == len(w.prompts)
+        assert all(p.prompt for p in w.prompts)
+    assert "<role>HUMAN</role>" in wl.load("chat").prompts[0].prompt          # chat template applied
+    long = wl.load("long-context").prompts[0].prompt
+    assert "Question:" in long and len(long) > 5000
+    tok = Tokenizer(build_tokenizer(config_from_dict(preset_config("tiny"))))
+    a, b = wl.load("synthetic:100", tok), wl.load("synthetic:100", tok)
+    assert len(a.prompts) == 8 and all(len(p.ids(tok)) == 100 for p in a.prompts)
+    assert [p.token_ids for p in a.prompts] == [p.token_ids for p in b.prompts]      # deterministic
+    assert len(wl.load("synthetic:700:3", tok).prompts) == 3
+    assert len(wl.load("code", limit=3).prompts) == 3
+    with pytest.raises(ValueError, match="unknown workload"):
+        wl.load("nope")
+    from oled.data import workloads as data_workloads                               # `oled calibrate --workload`
+    assert data_workloads.load_prompts("math")[0].prompt
+
+
+def test_set_runtime_sweeps_without_reloading(tmp_path):
+    from oled.config import EngineConfig
+    from oled.engine import Engine
+
+    engine = Engine(EngineConfig(random_weights="tiny", expert_budget="1.0", policy="full"))
+    ids = engine.tokenizer.encode("Hello")
+    params = DecodeParams(gen_length=16, block_length=16)
+    ref = engine.generate_ids(ids, params).token_ids
+    store, model = engine.store, engine.model
+    for policy, budget in (("lru", "0.25"), ("lfu", "0.5"), ("full", "1.0")):
+        old = engine.manager
+        engine.set_runtime(policy, budget)
+        assert engine.manager is not old and engine.store is store and engine.model is model
+        assert all(b.experts is engine.manager for b in model.moe_blocks())
+        assert engine.policy.name == policy
+        assert engine.generate_ids(ids, params).token_ids == ref

@@ -1,0 +1,164 @@
+"""oled trace: recording, the trace file, the locality report, and replay through policies on the CPU.
+
+The key property: replaying a trace through a policy gives the same hit, load, eviction and CPU counts as the live
+run on the same model (the replayer runs the manager's own decision code, oled.runtime.residency)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oled.config import EngineConfig
+from oled.decoding.params import DecodeParams
+from oled.engine import Engine
+from oled.policies.base import IterationEvent
+from oled.trace import KINDS, Trace, format_locality, locality, record_trace, replay
+from oled.trace.format import BEGIN, END, EVENT, REQUEST, RUN
+
+PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "Hello there, how are you today?"]
+PARAMS = dict(gen_length=32, block_length=16)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(EngineConfig(random_weights="tiny", expert_budget="0.5", policy="lru"))
+    yield eng
+    eng.manager.close()
+
+
+def _prompts(engine):
+    return [(f"p{i}", engine.tokenizer.encode(p)) for i, p in enumerate(PROMPTS)]
+
+
+def _record(engine, policy, budget, tmp_path, predictions=True, **options):
+    engine.set_runtime(policy, budget, **options)
+    trace, results = record_trace(engine, _prompts(engine), DecodeParams(**PARAMS), predictions=predictions)
+    live_rows = engine.manager.stats.to_rows()
+    path = trace.save(tmp_path / f"{policy}-{budget}.trace")
+    return Trace.load(path), results, live_rows
+
+
+@pytest.fixture(scope="module")
+def lru_trace(engine, tmp_path_factory):
+    return _record(engine, "lru", "0.5", tmp_path_factory.mktemp("trace"))
+
+
+def test_replay_through_lru_gives_the_live_hit_counts(lru_trace):
+    trace, _, live_rows = lru_trace
+    rep = replay(trace, "lru", "0.5")
+    assert rep.stats.to_rows() == live_rows                       # every layer record of every forward
+    live_hits = sum(r["pairs_hit"] for r in live_rows)
+    assert 0 < live_hits < sum(r["pairs"] for r in live_rows)     # the budget really misses
+    assert rep.stats.summary(kinds=KINDS)["totals"] == trace.header["live"]["totals"]
+
+
+@pytest.mark.parametrize("policy,budget,options", [("lfu", "0.25", {}), ("prefetch", "0.25", {}),
+                                                   ("lru", "0.125", {})])
+def test_replay_matches_live_for_other_policies(engine, tmp_path, policy, budget, options):
+    trace, _, live_rows = _record(engine, policy, budget, tmp_path, **options)
+    assert replay(trace, policy, budget, **options).stats.to_rows() == live_rows
+
+
+def test_replay_of_cpu_policy_matches_live(engine, tmp_path):
+    pytest.importorskip("oled.policies.tide")
+    trace, _, live_rows = _record(engine, "tide", "0.25", tmp_path, tau=2)
+    rows = replay(trace, "tide", "0.25", tau=2).stats.to_rows()
+    assert rows == live_rows
+    assert sum(r["pairs_cpu"] for r in rows) > 0
+
+
+def test_trace_content(lru_trace, engine):
+    trace, results, _ = lru_trace
+    ops = trace.ops
+    assert (ops[:, 0] == REQUEST).sum() == len(PROMPTS)
+    assert (ops[:, 0] == BEGIN).sum() == (ops[:, 0] == END).sum() == len(trace.fwd_kind)
+    iters = int((trace.fwd_kind == KINDS.index("iteration")).sum())
+    assert iters == sum(r.nfe for r in results) == (ops[:, 0] == EVENT).sum()
+    layers = trace.layers
+    assert (ops[:, 0] == RUN).sum() == len(trace.fwd_kind) * len(layers)
+    k = engine.config.top_k
+    for i in range(len(trace.run_layer)):
+        f = trace.run_forward[i]
+        ids = trace.run_ids(i)
+        assert ids.shape == (trace.fwd_tokens[f], k)
+        assert ((0 <= ids) & (ids < engine.config.num_experts)).all()
+        w = trace.weights[trace.run_offset[i]: trace.run_offset[i + 1]]
+        assert w.shape == ids.shape and np.isfinite(w).all()
+        pred = trace.run_pred(i)                                   # next layer's predicted routing
+        assert (pred is None) == (trace.run_layer[i] == layers[-1])
+    for j in range(len(trace.ev_forward)):
+        ev = trace.event(j)
+        assert trace.fwd_kind[trace.ev_forward[j]] == KINDS.index("iteration")
+        assert len(ev.state) == PARAMS["block_length"]
+        not_masked = ev.state == IterationEvent.DECODED
+        assert np.isneginf(ev.confidence[not_masked]).all() and np.isfinite(ev.confidence[~not_masked]).all()
+    for r, res in enumerate(results):
+        assert trace.output_ids(r).tolist() == res.token_ids
+        assert trace.prompt_ids(r).tolist() == _prompts(engine)[r][1]
+
+
+def test_recording_does_not_change_the_output(engine):
+    engine.set_runtime("lru", "0.5")
+    prompts = _prompts(engine)
+    plain = [engine.generate_ids(ids, DecodeParams(**PARAMS)).token_ids for _, ids in prompts]
+    engine.set_runtime("lru", "0.5")
+    _, results = record_trace(engine, prompts, DecodeParams(**PARAMS))
+    assert [r.token_ids for r in results] == plain
+    assert all(b.experts is engine.manager for b in engine.model.moe_blocks())   # recorder removed
+
+
+def test_locality_report(lru_trace):
+    trace, _, _ = lru_trace
+    rep = locality(trace)
+    E = trace.header["model"]["num_experts"]
+    assert rep["iterations"] == int((trace.fwd_kind == 1).sum())
+    assert 0 < rep["unique_experts_per_layer_iteration"]["mean"] <= E
+    for part in ("adjacent", "boundary"):
+        for key in ("jaccard", "recall"):
+            assert 0.0 <= rep[part][key] <= 1.0
+    assert rep["adjacent_pairs"] > 0 and rep["boundary_pairs"] > 0
+    buckets = rep["tokens_per_expert"]["buckets"]
+    assert sum(b["experts"] for b in buckets) == pytest.approx(1.0)
+    assert sum(b["pairs"] for b in buckets) == pytest.approx(1.0)
+    c = rep["confidence"]
+    assert 0.0 <= c["same_iteration_auc"] <= 1.0
+    assert sum(b["tokens"] for b in c["bins"]) == c["next_iteration_tokens"]
+    text = format_locality(rep)
+    for word in ("Unique experts per layer per iteration", "Jaccard", "recall", "Tokens per expert", "AUC"):
+        assert word in text
+
+
+def test_replay_prefetch_without_recorded_predictions_uses_actual_routing(engine, tmp_path):
+    trace, _, _ = _record(engine, "lru", "0.25", tmp_path, predictions=False)
+    assert not trace.has_predictions and len(trace.pred_ids) == 0
+    rep = replay(trace, "prefetch", "0.25")
+    assert rep.prediction.startswith("oracle")
+    assert sum(r.prefetches for r in rep.stats.records) > 0
+
+
+def test_auc():
+    from oled.trace.locality import auc
+    assert auc(np.array([0.1, 0.2, 0.8, 0.9]), np.array([0, 0, 1, 1])) == 1.0
+    assert auc(np.array([0.5, 0.5]), np.array([0, 1])) == 0.5
+    assert auc(np.array([1.0, 2.0]), np.array([1, 1])) is None
+
+
+def test_trace_cli(tmp_path, capsys):
+    from oled.cli import main
+    out = tmp_path / "t.trace"
+    assert main(["trace", "--random-weights", "tiny", "--prompts", "1", "--gen-length", "16", "--block-length", "16",
+                 "--expert-budget", "0.5", "--out", str(out), "--json", str(tmp_path / "loc.json")]) == 0
+    captured = capsys.readouterr()
+    assert "same hit, load and CPU counts as the live run" in captured.err
+    assert "Adjacent iterations" in captured.out
+    assert main(["trace", "--report", str(out)]) == 0
+    assert "Jaccard" in capsys.readouterr().out
+    assert Trace.load(out).num_requests == 1
+
+
+def test_bad_trace_file(tmp_path):
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(b"not a trace")
+    with pytest.raises(ValueError):
+        Trace.load(bad)
+    with pytest.raises(ValueError):
+        Trace.load(tmp_path / "missing.trace")
