@@ -296,3 +296,23 @@ def test_random_weights_preset_equals_written_checkpoint(tiny_ckpt):
     a = oled.LLM(random_weights="tiny", seed=3, policy="full").generate(prompt_token_ids=PROMPTS[1], gen_length=32)
     b = oled.LLM(str(tiny_ckpt), policy="full").generate(prompt_token_ids=PROMPTS[1], gen_length=32)
     assert a.token_ids == b.token_ids
+
+
+def test_grouped_compute_sees_one_layers_slots(tiny_ckpt, monkeypatch):
+    """CUDA's grouped GEMM takes at most 1024 groups: each call must get one layer's slots, never the whole pool
+    (the full pool of LLaDA2.0-mini is 19 x 256 slots; this failed on the H200 before the fix)."""
+    import oled.runtime.manager as manager_mod
+
+    seen = []
+    real = manager_mod.grouped_swiglu
+
+    def spy(x, pair_tokens, pair_slots, pool, *args, **kwargs):
+        seen.append(pool.shape[0])
+        return real(x, pair_tokens, pair_slots, pool, *args, **kwargs)
+
+    monkeypatch.setattr(manager_mod, "grouped_swiglu", spy)
+    for policy, budget in (("full", "1.0"), ("lru", "0.5")):
+        llm = oled.LLM(str(tiny_ckpt), policy=policy, expert_budget=budget)
+        llm.generate(prompt_token_ids=PROMPTS[1], gen_length=32)
+        assert seen and set(seen) == {llm.engine.manager.cache.capacity}
+        seen.clear()

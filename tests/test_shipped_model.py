@@ -1,0 +1,30 @@
+"""The bundled tiny model (trained by oled/train/tiny.py on the H200) loads and decodes deterministically."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import oled
+from oled.engine import default_model_dir
+
+PROMPT = 'def add(a, b):\n    """Return the sum of a and b."""\n'
+# Recorded from this checkpoint on the CPU in fp32 (greedy, block 32, threshold 0.95).
+RECORDED = [203, 486, 276, 1485, 944, 12, 69, 16, 314, 308, 267, 382, 712, 301, 2512, 395, 275, 311, 316, 275, 447,
+            314, 625, 267, 343, 334, 77, 1485, 944, 12, 69, 16]
+
+
+def test_bundled_checkpoint_is_default_and_small():
+    d = default_model_dir()
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "llada2_moe" and cfg["num_experts"] >= 32 and cfg["num_experts_per_tok"] >= 4
+    assert sum(p.stat().st_size for p in Path(d).iterdir()) <= 32 * 10**6
+
+
+def test_bundled_model_decodes_recorded_output():
+    llm = oled.LLM(policy="full")
+    out = llm.generate(PROMPT, gen_length=32)
+    assert out.token_ids == RECORDED
+    assert out.text.startswith("\ndef ")
+    # offloading does not change tokens: a quarter of the experts on the "GPU" (CPU tensors here)
+    small = oled.LLM(policy="lru", expert_budget="0.25").generate(PROMPT, gen_length=32)
+    assert small.token_ids == RECORDED
