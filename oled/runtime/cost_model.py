@@ -1,0 +1,121 @@
+"""The cost model of miss service: what loading an expert and computing one on the CPU take on this machine.
+
+Nothing here is a constant: H2D bandwidth is timed with the store's own pinned blobs, CPU time per expert comes
+from the CPU kernel's `calibrate()` (cold weights, per tokens-per-expert), and the CPU slowdown while copies run
+(both read host DRAM) is timed too. Results are cached per machine and shape under ~/.cache/oled/costs/.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class CostModel:
+    expert_bytes: int
+    h2d_gbps: float                       # expert blob copies into cache slots, GB/s
+    cpu_seconds: dict[int, float]         # tokens per expert -> seconds per expert (CPU kernel, cold weights)
+    cpu_slowdown_with_copies: float = 1.0  # CPU time factor while H2D copies run concurrently
+    gpu_seconds_per_expert: float = 0.0   # grouped GPU compute per resident expert (small; read from HBM)
+    source: str = "measured"
+
+    def load_seconds(self, n_experts: int) -> float:
+        return n_experts * self.expert_bytes / (self.h2d_gbps * 1e9)
+
+    def cpu_expert_seconds(self, tokens: int) -> float:
+        """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
+        keys = sorted(self.cpu_seconds)
+        if tokens <= keys[0]:
+            return self.cpu_seconds[keys[0]]
+        if tokens >= keys[-1]:
+            return self.cpu_seconds[keys[-1]] * tokens / keys[-1]
+        i = bisect.bisect_left(keys, tokens)
+        lo, hi = keys[i - 1], keys[i]
+        f = (tokens - lo) / (hi - lo)
+        return self.cpu_seconds[lo] * (1 - f) + self.cpu_seconds[hi] * f
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["cpu_seconds"] = {str(k): v for k, v in self.cpu_seconds.items()}
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        d["cpu_seconds"] = {int(k): v for k, v in d["cpu_seconds"].items()}
+        return cls(**d)
+
+
+def _time_copies(store, device, n: int) -> float:
+    """Seconds to copy n expert blobs from the store into device memory (one batch, as the manager issues them)."""
+    layer = store.layers[0]
+    n = min(n, store.config.num_experts)
+    dst = torch.empty(n, store.numel, dtype=store.dtype, device=device)
+    cuda = torch.device(device).type == "cuda"
+    best = float("inf")
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(n):
+            dst[i].copy_(store.blob(layer, i), non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostModel:
+    from .cpu_kernel import calibrate
+
+    n = 16
+    h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
+    cpu = calibrate(kernel, store.hidden, store.intermediate, token_counts, dtype=store.dtype)
+    slowdown = 1.0
+    if torch.device(device).type == "cuda":   # CPU kernel while copies stream: both read host DRAM
+        import threading
+
+        stop = threading.Event()
+
+        def copies():
+            while not stop.is_set():
+                _time_copies(store, device, n)
+
+        t = threading.Thread(target=copies, daemon=True)
+        t.start()
+        busy = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3)
+        stop.set()
+        t.join()
+        slowdown = max(1.0, busy[4] / cpu[4])
+    return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu,
+                     cpu_slowdown_with_copies=slowdown, source=f"measured {time.strftime('%Y-%m-%d')}")
+
+
+def cache_key(store, kernel, device) -> str:
+    dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    text = "|".join(map(str, (platform.processor(), platform.machine(), os.cpu_count(), kernel.name,
+                              kernel.num_threads, store.hidden, store.intermediate, store.dtype, store.pinned, dev)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_or_measure(store, kernel, device, cache_dir: str | Path | None = None) -> CostModel:
+    """The cached cost model for this machine and shape, measured on first use."""
+    root = Path(cache_dir or os.environ.get("OLED_COST_CACHE") or Path.home() / ".cache" / "oled" / "costs")
+    path = root / f"{cache_key(store, kernel, device)}.json"
+    if path.is_file():
+        return CostModel.from_json(path.read_text())
+    model = measure(store, kernel, device)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(model.to_json())
+    except OSError:
+        pass   # a read-only home only costs a re-measurement next time
+    return model

@@ -1,0 +1,88 @@
+"""The cost model and the cooperative miss planner (against brute force on small cases)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import oled
+from oled.runtime.cost_model import CostModel, load_or_measure
+from oled.runtime.planner import plan_cost, split_misses
+
+
+def _model(h2d=50.0, slowdown=1.2, gpu=5e-6):
+    # per-expert CPU times shaped like the H200 host's measurements (memory-bound, slowly rising with tokens)
+    return CostModel(expert_bytes=6 * 2**20, h2d_gbps=h2d, cpu_seconds={1: 65e-6, 4: 75e-6, 8: 70e-6, 32: 90e-6},
+                     cpu_slowdown_with_copies=slowdown, gpu_seconds_per_expert=gpu, source="test")
+
+
+def _brute(tokens, hits, cost, credit, max_loads=None):
+    misses = list(tokens)
+    best = None
+    for r in range(len(misses) + 1):
+        if max_loads is not None and r > max_loads:
+            break
+        for load in itertools.combinations(misses, r):
+            cpu = [e for e in misses if e not in load]
+            c = plan_cost(list(load), cpu, tokens, hits, cost, credit)
+            best = c if best is None else min(best, c)
+    return best
+
+
+def test_interpolation():
+    m = _model()
+    assert m.cpu_expert_seconds(1) == 65e-6 and m.cpu_expert_seconds(2) == pytest.approx(65e-6 + (75e-6 - 65e-6) / 3)
+    assert m.cpu_expert_seconds(64) == pytest.approx(90e-6 * 2)
+    assert m.load_seconds(10) == pytest.approx(10 * 6 * 2**20 / 50e9)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_planner_matches_brute_force_without_credit(seed):
+    rng = random.Random(seed)
+    n = rng.randint(0, 9)
+    tokens = {e: rng.choice([1, 1, 2, 3, 4, 8, 16, 32]) for e in rng.sample(range(64), n)}
+    cost = _model(h2d=rng.choice([10.0, 50.0, 200.0]), slowdown=rng.choice([1.0, 1.3]))
+    hits = rng.randint(0, 20)
+    cap = rng.choice([None, 2])
+    load, cpu = split_misses(tokens, hits, cost, max_loads=cap)
+    assert sorted(load + cpu) == sorted(tokens)
+    assert plan_cost(load, cpu, tokens, hits, cost) == pytest.approx(_brute(tokens, hits, cost, None, cap), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_planner_with_credit_close_to_brute_force(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 9)
+    tokens = {e: rng.choice([1, 2, 4, 8, 32]) for e in rng.sample(range(64), n)}
+    credit = {e: rng.choice([0.0, 0.0, 50e-6, 200e-6]) for e in tokens}
+    cost = _model()
+    load, cpu = split_misses(tokens, 4, cost, credit)
+    ours, best = plan_cost(load, cpu, tokens, 4, cost, credit), _brute(tokens, 4, cost, credit)
+    # never worse than loading everything or computing everything on the CPU, and near the optimum
+    assert ours <= plan_cost(list(tokens), [], tokens, 4, cost, credit) + 1e-12
+    assert ours <= plan_cost([], list(tokens), tokens, 4, cost, credit) + 1e-12
+    assert ours - best <= 0.05 * abs(best) + 30e-6
+
+
+def test_planner_extremes():
+    tokens = {e: 4 for e in range(8)}
+    slow_pcie = _model(h2d=0.1)     # copies take ages: everything on the CPU
+    assert split_misses(tokens, 0, slow_pcie) == ([], sorted(tokens))
+    slow_cpu = CostModel(6 * 2**20, 50.0, {1: 1.0, 32: 1.0})
+    load, cpu = split_misses(tokens, 0, slow_cpu)
+    assert cpu == [] and sorted(load) == sorted(tokens)
+
+
+def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):
+    torch.set_num_threads(1)
+    llm = oled.LLM(random_weights="tiny", policy="tide", expert_budget="0.5", cpu_threads=1)
+    eng = llm.engine
+    kernel = eng.manager.cpu_kernel
+    m = load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path)
+    assert m.h2d_gbps > 0 and set(m.cpu_seconds) == {1, 2, 4, 8, 16, 32}
+    assert all(v > 0 for v in m.cpu_seconds.values()) and m.expert_bytes == eng.store.expert_bytes
+    cached = list(tmp_path.glob("*.json"))
+    assert len(cached) == 1
+    assert load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path) == m   # read back, not re-measured
