@@ -21,6 +21,8 @@ import threading
 import time
 
 import torch
+
+from oled.bench.env import cpu_model
 import torch.nn.functional as F
 
 from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes, make_cold_blobs
@@ -130,7 +132,7 @@ def main():
     kernel = CpuExpertKernel(num_threads=args.threads, force_portable=args.portable)
     cuda = torch.cuda.is_available()
     meta = dict(kernel=kernel.name, threads=kernel.num_threads, cpus=kernel.cpus, torch_threads=torch.get_num_threads(),
-                torch=torch.__version__, machine=platform.machine(), processor=_cpu_model(), l3_bytes=l3_bytes(),
+                torch=torch.__version__, machine=platform.machine(), processor=cpu_model(), l3_bytes=l3_bytes(),
                 jobs_per_call=args.jobs, dram_gbs=args.dram_gbs, cuda=cuda, quick=args.quick,
                 measured_read_gbs=dram, prefetch=os.environ.get("OLED_CPU_PREFETCH", "1"))
     print(f"# kernel={kernel.name} threads={kernel.num_threads} torch_threads={torch.get_num_threads()} "
@@ -205,16 +207,6 @@ def measure_read_gbs(gib):
         ts.append(time.perf_counter() - t0)
     return a.numel() * 4 / min(ts) / 1e9
 
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -13,16 +13,6 @@ L, E, EB = 2, 16, 24576          # the tiny preset: 2 MoE layers, 16 experts, 24
 TOTAL = L * E * EB
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and it keeps the run fast on a shared, busy machine (spinning
-    OpenMP workers of several processes slow each other down by 10x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def budget(spec, num_layers=L, num_experts=E, expert_bytes=EB) -> ExpertBudget:
     return parse_budget(spec, num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes)
 

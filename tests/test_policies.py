@@ -27,16 +27,6 @@ from oled.policies.tide import TidePolicy
 TINY_LAYERS = [1, 2]            # MoE layers of the `tiny` preset (layer 0 is dense)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and it keeps the run fast on a shared, busy machine (spinning
-    OpenMP workers of several processes slow each other down by 10x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def ctx(capacity=3, layers=(1, 2), num_experts=16, top_k=4) -> PolicyContext:
     return PolicyContext(layers=list(layers), num_experts=num_experts, capacity=capacity, top_k=top_k,
                          expert_bytes=1)

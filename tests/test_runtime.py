@@ -26,16 +26,6 @@ PROMPT = "hello world, how are you today?"
 GEN = dict(gen_length=48)                    # two blocks of 32 (the second partly past the end)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and it keeps the run fast on a shared, busy machine (spinning
-    OpenMP workers of several processes slow each other down by 10x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_llm(preset, policy="full", budget="1.0", **kw):
     return oled.LLM(random_weights=preset, device="cpu", dtype="float32", expert_budget=budget, policy=policy, **kw)
 

@@ -25,7 +25,7 @@ def git_info() -> dict:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -75,7 +75,7 @@ def _static_environment() -> dict:
     except ImportError:
         pass
     return {"git": git_info(), "platform": platform.platform(),
-            "cpu": {"model": _cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus_usable,
+            "cpu": {"model": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus_usable,
                     "memory_gib": _mem_total_gib()},
             "versions": versions}
 
