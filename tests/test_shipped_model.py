@@ -28,3 +28,14 @@ def test_bundled_model_decodes_recorded_output():
     # offloading does not change tokens: a quarter of the experts on the "GPU" (CPU tensors here)
     small = oled.LLM(policy="lru", expert_budget="0.25").generate(PROMPT, gen_length=32)
     assert small.token_ids == RECORDED
+
+
+def test_generation_report_checks():
+    from oled.train.generation_report import adds_body, function_prompts, is_valid
+
+    src = 'import os\n\ndef f(a):\n    """Doc."""\n    return a\n\nclass C:\n    pass\n\ndef g(b):\n    return b\n'
+    assert function_prompts(src + "<|endoftext|>" + "def h(:\n", "<|endoftext|>", 5) == [
+        'def f(a):\n    """Doc."""\n', "def g(b):\n"]
+    assert is_valid("def g(b):\n", "    if b:\n        return 1\n    ret")       # open block gets a `pass`
+    assert not is_valid("def g(b):\n", "    return (b\n")
+    assert adds_body("    x = 1\n") and not adds_body("\n# comment\ndef k():\n") and not adds_body("    y = 2")

@@ -3,7 +3,9 @@
 For each held-out function (from the corpus's held-out split), the prompt is its `def` line and docstring; the
 engine generates `gen_length` tokens (greedy, threshold rule). A completion counts as valid Python when the prompt
 plus the generated text of the first block, cut at its last complete line, parses with `ast.parse` — as it is, or
-with a `pass` line appended at the indentation of its last line (a body that stops at an open block).
+with a `pass` line appended at the indentation of its last line (a body that stops at an open block). That check
+also passes completions that add nothing but comments, blank lines or a new `def`, so the report also counts the
+completions that add a body statement, and those that are valid with one.
 
     python -m oled.train.generation_report --corpus data/stdlib-corpus --n 40 --out report.json
 """
@@ -56,6 +58,12 @@ def is_valid(prompt: str, completion: str) -> bool:
     return False
 
 
+def adds_body(completion: str) -> bool:
+    """The completion's complete lines include an indented statement that is not a comment (a real body line)."""
+    lines = completion[: completion.rfind("\n") + 1].splitlines()
+    return any(line.startswith((" ", "\t")) and line.strip() and not line.strip().startswith("#") for line in lines)
+
+
 def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen_length: int = 64) -> dict:
     import oled
 
@@ -74,11 +82,15 @@ def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen
         first = first_block[0] if first_block else out.text
         rows.append({"prompt": prompt, "completion": out.text, "first_block": first,
                      "valid_first_block": is_valid(prompt, first), "valid_full": is_valid(prompt, out.text),
+                     "adds_body": adds_body(first),
                      "finish_reason": out.finish_reason, "tokens_per_forward": out.counters["tokens_per_forward"]})
     valid = sum(r["valid_first_block"] for r in rows)
     return {"model": model_dir or "bundled tiny model", "prompts": len(rows), "gen_length": gen_length,
             "valid_first_block_fraction": valid / max(len(rows), 1),
             "valid_full_fraction": sum(r["valid_full"] for r in rows) / max(len(rows), 1),
+            # stricter: valid AND the first block adds a body statement (not only comments, blank lines or a new def)
+            "adds_body_fraction": sum(r["adds_body"] for r in rows) / max(len(rows), 1),
+            "valid_with_body_fraction": sum(r["valid_first_block"] and r["adds_body"] for r in rows) / max(len(rows), 1),
             "eos_fraction": sum(r["finish_reason"] == "stop" for r in rows) / max(len(rows), 1),
             "mean_tokens_per_forward": sum(r["tokens_per_forward"] for r in rows) / max(len(rows), 1),
             "wall_s": time.perf_counter() - t0, "samples": rows}
@@ -93,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the report as JSON")
     args = ap.parse_args(argv)
     rep = generation_report(args.model, str(Path(args.corpus) / "heldout.txt"), args.n, args.gen_length)
-    print(f"{rep['prompts']} held-out functions: first block valid Python {rep['valid_first_block_fraction']:.1%}, "
+    print(f"{rep['prompts']} held-out functions: first block valid Python {rep['valid_first_block_fraction']:.1%} "
+          f"(adds a body statement {rep['adds_body_fraction']:.1%}, valid with one {rep['valid_with_body_fraction']:.1%}), "
           f"whole completion {rep['valid_full_fraction']:.1%}, EOS {rep['eos_fraction']:.1%}, "
           f"{rep['mean_tokens_per_forward']:.2f} tokens/forward ({rep['wall_s']:.0f} s)")
     for r in rep["samples"][:3]:
