@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from oled.models.layers import block_causal_mask
+from oled.synth import preset_config
 from oled.models.router import sigmoid_group_route
 from oled.train import tiny
 from oled.train.checkpoint import load_checkpoint, official_state_dict, read_tensors, save_checkpoint
@@ -18,7 +19,7 @@ from oled.train.corpus import build_corpus
 from oled.train.diffusion import WindowSampler, noise_blocks, pad_after_eos
 from oled.train.model import LLaDA2MoeModelLM, TinyConfig, bd_attention_mask
 
-SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"   # shared/ beside the checkout
+TEST_DATA = Path(__file__).resolve().parent / "data"   # the official index listing, copied from shared/models
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
@@ -36,10 +37,7 @@ SOURCES = {
 
 
 def _official_index():
-    path = SHARED_MODELS / "llada2-tiny-official.index.json"
-    if not path.is_file():
-        pytest.skip("official index listing not available")
-    return json.loads(path.read_text())
+    return json.loads((TEST_DATA / "llada2-tiny-official.index.json").read_text())
 
 
 def _pattern(name: str) -> str:
@@ -252,8 +250,7 @@ def test_checkpoint_layout_matches_official(tmp_path):
         assert tuple(t.shape) == _expected_shape(c, name), name
         assert t.dtype == (torch.float32 if name.endswith("expert_bias") else torch.bfloat16), name
     cfg = json.loads((tmp_path / "config.json").read_text())
-    mini_path = SHARED_MODELS / "llada2-mini.config.json"
-    mini = json.loads(mini_path.read_text()) if mini_path.is_file() else {}
+    mini = preset_config("llada2-mini")
     assert set(mini) - {"transformers_version"} <= set(cfg)
     assert cfg["model_type"] == "llada2_moe" and cfg["architectures"] == ["LLaDA2MoeModelLM"]
     assert cfg["tie_word_embeddings"] is False and cfg["dtype"] == "bfloat16"
