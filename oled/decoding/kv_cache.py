@@ -2,7 +2,7 @@
 
 For block-causal models (LLaDA2) the K/V of a finished block never change, so the prefix cache is exact: prefill
 the prompt's full blocks once, run only the current block per iteration, and write a finished block's final K/V
-once. For fully bidirectional models (LLaDA-MoE) every cache is an approximation refreshed at each block's first
+once (fused into the next block's first forward). For fully bidirectional models (LLaDA-MoE) every cache is an approximation refreshed at each block's first
 iteration: `prefix` reruns the current block and everything after it, `dual` only the current block.
 """
 from __future__ import annotations
@@ -44,20 +44,29 @@ class NoCache(CacheMode):
 
 
 class PrefixCache(CacheMode):
+    """For block-causal models a finished block's final K/V are written by the next block's first forward, which
+    runs the finished block's final tokens and the new block together under the block-causal mask: the same math
+    as a separate cache-fill forward, one forward fewer per block (and none after the last block)."""
+
+    def __init__(self, block_causal: bool):
+        super().__init__(block_causal)
+        self.unwritten: int | None = None   # start of a finished block whose final K/V are not in the cache yet
+
     def prefill(self, forward, canvas, block_start):
         if self.block_causal and block_start > 0:
             forward(canvas[:block_start], 0, block_start, None, "prefill")
 
     def block_logits(self, forward, canvas, bs, be, step):
         if self.block_causal:
-            return forward(canvas[bs:be], bs, be, slice(None), "iteration")
+            start, self.unwritten = (bs if self.unwritten is None else self.unwritten), None
+            return forward(canvas[start:be], start, be, slice(bs - start, None), "iteration")
         if step == 0:   # refresh: the whole canvas, which also rewrites the prefix K/V
             return forward(canvas, 0, len(canvas), slice(bs, be), "iteration")
         return forward(canvas[bs:], bs, len(canvas), slice(0, be - bs), "iteration")
 
     def finish_block(self, forward, canvas, bs, be):
-        if self.block_causal:   # the block's final tokens: write their K/V once for the blocks after it
-            forward(canvas[bs:be], bs, be, None, "cache_fill")
+        if self.block_causal:
+            self.unwritten = bs
 
 
 class DualCache(PrefixCache):
