@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--threshold", type=float, default=0.95)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--trace", help="also record a routing trace of one request here and write its locality report "
+                                    "next to it (.locality.json): saves building the model again for `oled trace`")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(model=args.model, random_weights=None if args.model else args.random_weights,
@@ -106,6 +108,16 @@ def main(argv=None):
         "floor_ms_per_iteration": floor * 1e3, "gap_vs_floor": per_iter / floor if floor == floor else None,
         "repeats": args.repeats, "all_tpot_ms": [r.tpot_s * 1e3 for r in runs],
     }
+    if args.trace:
+        from oled.trace import format_locality, locality, record_trace
+
+        trace, _ = record_trace(engine, [("core", ids)], params, workload="core_bench prompt")
+        path = trace.save(args.trace)
+        rep = locality(trace)
+        print(format_locality(rep))
+        with open(str(path) + ".locality.json", "w") as f:
+            json.dump(rep, f, indent=1)
+        out["unique_experts_per_layer_iteration_trace"] = rep["unique_experts_per_layer_iteration"]
     print(json.dumps(out, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One H200 call: the policy grid (DESIGN.md section 8 default grid), the engine-core benchmark, the locality trace.
-# Each stage has a time limit so that one slow stage cannot take the others' results with it.
-#   GRID_S / CORE_S / TRACE_S: stage limits in seconds.   Results: $OUT/results.tgz (+ logs on stdout)
+# One H200 call: the policy grid (DESIGN.md section 8 default grid), then the engine-core benchmark with a routing
+# trace and its locality report (one model build each). Every stage has a time limit, so one slow stage cannot take
+# the others' results with it; partial grid rows are still rendered.
+#   GRID_S / CORE_S: stage limits in seconds.   Results: $OUT/results.tgz (and the tails of the logs on stdout)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/res; mkdir -p $R
@@ -9,13 +10,11 @@ OUT=${OUT:-out}; R=$OUT/res; mkdir -p $R
   python3 -c "import torch; print('torch', torch.__version__)"; git rev-parse HEAD 2>/dev/null; } > $R/hardware.txt
 cat $R/hardware.txt
 python3 -m oled.cli synth --help > /dev/null || { echo "oled does not import"; exit 1; }
-timeout ${GRID_S:-300} python3 -m oled.cli bench --random-weights llada2-mini \
+timeout ${GRID_S:-330} python3 -m oled.cli bench --random-weights llada2-mini \
   --policies full,lru,lfu,prefetch,fiddler,tide --budgets 1.0,0.6,0.4,0.25 --workload code --prompts 1 \
   --gen-length 256 --block-length 32 --threshold 0.95 --repeats 3 --no-progress --out $R/grid > $R/grid.log 2>&1
 echo "grid rc=$?"; tail -5 $R/grid.log
 python3 -m oled.cli bench --render $R/grid >> $R/grid.log 2>&1
-timeout ${CORE_S:-120} python3 benchmarks/core_bench.py --random-weights llada2-mini --gen-length 256 --repeats 3 \
-  --out $R/core_mini.json > $R/core.log 2>&1; echo "core rc=$?"; tail -32 $R/core.log
-timeout ${TRACE_S:-100} python3 -m oled.cli trace --random-weights llada2-mini --workload code --prompts 1 \
-  --gen-length 256 --out $R/mini.trace --json $R/locality.json > $R/trace.log 2>&1; echo "trace rc=$?"; tail -30 $R/trace.log
-rm -f $R/mini.trace.tmp; tar czf $OUT/results.tgz -C $OUT res && ls -la $OUT
+timeout ${CORE_S:-150} python3 benchmarks/core_bench.py --random-weights llada2-mini --gen-length 256 --repeats 3 \
+  --out $R/core_mini.json --trace $R/mini.trace > $R/core.log 2>&1; echo "core rc=$?"; tail -60 $R/core.log
+tar czf $OUT/results.tgz -C $OUT res && ls -la $OUT
