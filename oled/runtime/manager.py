@@ -61,14 +61,14 @@ class ExpertManager:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             self.pending_copy.clear()
 
-    def _copy(self, layer: int, experts: list[int], slots: list[int], wait_layer: bool = True) -> int:
-        """Copy experts' blobs into slots on the copy stream; one event covers the batch. Returns bytes."""
+    def _copy(self, layer: int, experts: list[int], slots: list[int], wait_layer: bool = True) -> None:
+        """Copy experts' blobs into slots on the copy stream; one event covers the batch."""
         if not experts:
-            return 0
+            return
         if not self.cuda:
             for e, s in zip(experts, slots):
                 self.cache.pool[s].copy_(self.store.blob(layer, e))
-            return len(experts) * self.store.expert_bytes
+            return
         with torch.cuda.stream(self.copy_stream):
             if wait_layer and layer in self.layer_done:   # a victim slot may still be read by an earlier compute
                 self.copy_stream.wait_event(self.layer_done[layer])
@@ -78,7 +78,6 @@ class ExpertManager:
             event.record(self.copy_stream)
         for s in slots:
             self.pending_copy[s] = event
-        return len(experts) * self.store.expert_bytes
 
     # ------------------------------------------------------------------------------------------------- compute
     def _section(self, name: str):

@@ -46,7 +46,7 @@ class ExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def host_bytes(self) -> int:
