@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--threshold", type=float, default=0.95)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--costs", action="store_true", help="also measure the runtime's cost model on this model's "
+                    "expert store: H2D GB/s of store blobs and CPU-kernel seconds per expert versus tokens")
     ap.add_argument("--trace", help="also record a routing trace of one request here and write its locality report "
                                     "next to it (.locality.json): saves building the model again for `oled trace`")
     args = ap.parse_args(argv)
@@ -118,6 +120,16 @@ def main(argv=None):
         with open(str(path) + ".locality.json", "w") as f:
             json.dump(rep, f, indent=1)
         out["unique_experts_per_layer_iteration_trace"] = rep["unique_experts_per_layer_iteration"]
+    if args.costs:
+        from oled.engine import default_cpu_threads
+        from oled.runtime.cost_model import measure
+        from oled.runtime.cpu_kernel import CpuExpertKernel
+
+        kernel = CpuExpertKernel(num_threads=default_cpu_threads(engine.device))
+        costs = measure(engine.store, kernel, engine.device)
+        out["cost_model"] = {"kernel": kernel.name, "threads": kernel.num_threads, "h2d_gbps": costs.h2d_gbps,
+                             "cpu_us_per_expert": {t: v * 1e6 for t, v in costs.cpu_seconds.items()},
+                             "cpu_slowdown_with_copies": costs.cpu_slowdown_with_copies}
     print(json.dumps(out, indent=2))
     if args.out:
         with open(args.out, "w") as f:

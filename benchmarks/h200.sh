@@ -16,5 +16,5 @@ timeout ${GRID_S:-330} python3 -m oled.cli bench --random-weights llada2-mini \
 echo "grid rc=$?"; tail -5 $R/grid.log
 python3 -m oled.cli bench --render $R/grid >> $R/grid.log 2>&1
 timeout ${CORE_S:-150} python3 benchmarks/core_bench.py --random-weights llada2-mini --gen-length 256 --repeats 3 \
-  --out $R/core_mini.json --trace $R/mini.trace > $R/core.log 2>&1; echo "core rc=$?"; tail -60 $R/core.log
+  --out $R/core_mini.json --trace $R/mini.trace --costs > $R/core.log 2>&1; echo "core rc=$?"; tail -60 $R/core.log
 tar czf $OUT/results.tgz -C $OUT res && ls -la $OUT

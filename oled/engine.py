@@ -24,6 +24,16 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "float32": torch.float32, "fp32": torch.float32}
 
 
+def default_cpu_threads(device: torch.device) -> int | None:
+    """CPU expert threads: all physical cores (None) on a CPU-only machine; on a GPU machine one core is left to the
+    thread that launches GPU work and issues copies: with every core busy, a preempted worker stalls the whole CPU
+    batch (3-6x slower, measured on the H200 host)."""
+    if device.type != "cuda":
+        return None
+    from .runtime.cpu_kernel import physical_cpus
+    return max(1, len(physical_cpus()[0]) - 1)
+
+
 def default_model_dir() -> Path:
     from importlib import resources
     return Path(str(resources.files("oled").joinpath("assets/tiny-model")))
@@ -78,13 +88,8 @@ class Engine:
         cpu_kernel = None
         if self.policy.uses_cpu:
             if self._cpu_kernel is None:
-                from .runtime.cpu_kernel import CpuExpertKernel, physical_cpus
-                threads = self.cfg.cpu_threads
-                if threads is None and self.device.type == "cuda":
-                    # leave one core to the thread that launches GPU work and issues copies: with every core
-                    # busy, a preempted worker stalls the whole CPU batch (3-6x slower, measured on the H200 host)
-                    threads = max(1, len(physical_cpus()[0]) - 1)
-                self._cpu_kernel = CpuExpertKernel(num_threads=threads)
+                from .runtime.cpu_kernel import CpuExpertKernel
+                self._cpu_kernel = CpuExpertKernel(num_threads=self.cfg.cpu_threads or default_cpu_threads(self.device))
             cpu_kernel = self._cpu_kernel
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
         for block in self.model.moe_blocks():

@@ -140,7 +140,7 @@ class _ForwardProbe:
 def iteration_breakdown(rows) -> dict[str, list[float]]:
     """Per denoising iteration, milliseconds: attention, GPU experts, copy wait, CPU experts, other (= wall - rest)
     plus the wall time and the other named sections."""
-    series = {k: [] for k in (*BREAKDOWN, "wall", "moe", "dense_mlp", "lm_head")}
+    series = {k: [] for k in (*BREAKDOWN, "wall", "moe", "dense_mlp", "lm_head", "h2d_copy")}
     for kind, wall, sec in rows:
         if kind != "iteration":
             continue
@@ -149,7 +149,7 @@ def iteration_breakdown(rows) -> dict[str, list[float]]:
             series[k].append(sec.get(k, 0.0) * 1e3)
         series["other"].append(max(wall - named, 0.0) * 1e3)
         series["wall"].append(wall * 1e3)
-        for k in ("moe", "dense_mlp", "lm_head"):
+        for k in ("moe", "dense_mlp", "lm_head", "h2d_copy"):   # h2d_copy overlaps compute: not in "other"
             series[k].append(sec.get(k, 0.0) * 1e3)
     return series
 
@@ -413,9 +413,9 @@ class Bench:
                 last = results
             if reference is None and ref_note is None and last is not None:
                 reference, ref_note = [r.token_ids for r in last], f"{spec.label}@{budget}"
-            sections = None
+            sections = copy_gbps = None
             if prof:
-                sections = self._profiled_pass(engine, prompts, run_id, workload.name, spec, budget, desc)
+                sections, copy_gbps = self._profiled_pass(engine, prompts, run_id, workload.name, spec, budget, desc)
         except (ValueError, RuntimeError) as e:
             self._skip(workload.name, spec, budget, f"failed while running: {e}")
             return None
@@ -439,6 +439,7 @@ class Bench:
             "env": self.env,
             "metrics": metrics,
             "sections_per_iteration_ms": sections,
+            "h2d_copy_gbps": copy_gbps,     # profiled pass, CUDA only: the copy path's achieved bandwidth
             "stats_totals": engine.manager.stats.summary(kinds=ALL_KINDS).get("totals", {}),
             "prompts": [{"id": p.id, "prompt_tokens": len(ids), "generated_tokens": len(r.token_ids), "nfe": r.nfe,
                          "tpot_ms": r.tpot_s * 1e3, "prefill_ms": r.prefill_s * 1e3, "finish_reason": r.finish_reason,
@@ -449,10 +450,13 @@ class Bench:
         self._append("results.jsonl", row)
         return row
 
-    def _profiled_pass(self, engine, prompts, run_id, workload, spec, budget, desc) -> dict:
+    def _profiled_pass(self, engine, prompts, run_id, workload, spec, budget, desc) -> tuple[dict, float | None]:
+        """Mean milliseconds per iteration of each section, and the copy path's achieved GB/s (None without CUDA)."""
         timer = SectionTimer(engine.device)
         engine.manager.timer = timer
         probe = _ForwardProbe(engine.manager, timer)
+        copied = lambda: sum(r.bytes_h2d for r in engine.manager.stats.records)   # noqa: E731
+        bytes_before = copied()
         try:
             for ids in prompts:
                 self._generate(engine, ids, manager=probe, timer=timer)
@@ -460,11 +464,14 @@ class Bench:
         finally:
             engine.manager.timer = None
         series = iteration_breakdown(probe.rows)
+        copy_s = sum(sec.get("h2d_copy", 0.0) for _, _, sec in probe.rows)
+        # achieved bandwidth of the copy path: expert bytes over the copy stream's busy time (all forwards)
+        copy_gbps = (copied() - bytes_before) / copy_s / 1e9 if copy_s > 0 else None
         entry = {"run_id": run_id, "workload": workload, "policy_label": spec.label, "budget": budget,
                  "label": self.env["label"], "series_ms": series}
         self.series.append(entry)
         self._append("iterations.jsonl", entry)
-        return {k: (float(np.mean(v)) if v else 0.0) for k, v in series.items()}
+        return {k: (float(np.mean(v)) if v else 0.0) for k, v in series.items()}, copy_gbps
 
     @staticmethod
     def _model_info(engine) -> dict:

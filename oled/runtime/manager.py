@@ -72,8 +72,9 @@ class ExpertManager:
         with torch.cuda.stream(self.copy_stream):
             if wait_layer and layer in self.layer_done:   # a victim slot may still be read by an earlier compute
                 self.copy_stream.wait_event(self.layer_done[layer])
-            for e, s in zip(experts, slots):
-                self.cache.pool[s].copy_(self.store.blob(layer, e), non_blocking=True)
+            with self._section("h2d_copy"):               # events on the copy stream: the copy path's own time
+                for e, s in zip(experts, slots):
+                    self.cache.pool[s].copy_(self.store.blob(layer, e), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         for s in slots:
