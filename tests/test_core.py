@@ -315,3 +315,30 @@ def test_grouped_compute_sees_one_layers_slots(tiny_ckpt, monkeypatch):
         llm.generate(prompt_token_ids=PROMPTS[1], gen_length=32)
         assert seen and set(seen) == {llm.engine.manager.cache.capacity}
         seen.clear()
+
+
+def test_moe_layer_op_count_does_not_grow_with_active_experts(tiny_ckpt):
+    """The routed experts of a layer run as one grouped computation: the same number of tensor operations (kernel
+    launches on a GPU) whether 1 or 16 experts are active."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    llm = oled.LLM(str(tiny_ckpt), policy="full")
+    manager, layer = llm.engine.manager, llm.engine.config.moe_layers[0]
+    x = torch.randn(32, llm.engine.config.hidden_size)
+    counts = {}
+    for n_active in (1, 4, 16):
+        ids = (torch.arange(32 * 4) % n_active).view(32, 4) if n_active >= 4 else torch.zeros(32, 4, dtype=torch.long)
+        weights = torch.full((32, 4), 0.25)
+        with CountOps() as c:
+            manager.run(layer, x, ids, weights)
+        counts[n_active] = c.n
+    assert len(set(counts.values())) == 1 and counts[1] > 5, counts
