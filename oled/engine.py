@@ -53,7 +53,11 @@ class Engine:
             config = config_from_dict(raw)
             loaded = build_empty(config, self.dtype, self.device, pin)
             gen_device = self.device if self.device.type == "cuda" else "cpu"
-            load_tensors(loaded, random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype))
+            stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
+            if progress:
+                from tqdm import tqdm
+                stream = tqdm(stream, desc="random weights", unit="tensor", leave=False)
+            load_tensors(loaded, stream)
             self.tokenizer = Tokenizer(build_tokenizer(config))
             self.model_name = f"random:{cfg.random_weights}"
         else:
