@@ -56,7 +56,8 @@ class Engine:
             stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
             if progress:
                 from tqdm import tqdm
-                stream = tqdm(stream, desc="random weights", unit="tensor", leave=False)
+                # disable=None: a bar on a terminal only, so errors stay one line in logs and pipes
+                stream = tqdm(stream, desc="random weights", unit="tensor", leave=False, disable=None)
             load_tensors(loaded, stream)
             self.tokenizer = Tokenizer(build_tokenizer(config))
             self.model_name = f"random:{cfg.random_weights}"

@@ -186,6 +186,7 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype, device, pin: bool
     stream = stream_checkpoint(model_dir)
     if progress:
         from tqdm import tqdm
-        stream = tqdm(stream, total=len(official_tensors(config)), desc="loading", unit="tensor", leave=False)
+        stream = tqdm(stream, total=len(official_tensors(config)), desc="loading", unit="tensor", leave=False,
+                      disable=None)  # None: only on a terminal
     load_tensors(loaded, stream)
     return loaded
