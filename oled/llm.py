@@ -40,9 +40,9 @@ class LLM:
         return DecodeParams(**params)
 
     def generate(self, prompts: str | list[str] | None = None, *, prompt_token_ids=None, on_block=None,
-                 **params) -> Output | list[Output]:
+                 cancelled=None, **params) -> Output | list[Output]:
         """Generate for one prompt (returns an Output) or a list (returns a list). on_block(text_so_far, ids, done)
-        streams each committed block."""
+        streams each committed block; cancelled() -> True stops at the next iteration (finish_reason "cancelled")."""
         single = isinstance(prompts, str) or (prompt_token_ids is not None and prompt_token_ids
                                               and isinstance(prompt_token_ids[0], int))
         if prompt_token_ids is None:
@@ -51,13 +51,13 @@ class LLM:
             batch = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
         else:
             batch = [list(prompt_token_ids)] if single else [list(p) for p in prompt_token_ids]
-        outs = [self._one(ids, self._params(params), on_block) for ids in batch]
+        outs = [self._one(ids, self._params(params), on_block, cancelled) for ids in batch]
         return outs[0] if single else outs
 
     def chat(self, messages: list[dict], **params) -> Output:
         return self.generate(self.tokenizer.chat_prompt(messages), **params)
 
-    def _one(self, prompt_ids: list[int], params: DecodeParams, on_block) -> Output:
+    def _one(self, prompt_ids: list[int], params: DecodeParams, on_block, cancelled) -> Output:
         ids: list[int] = []
 
         def stream(new_ids, finished):
@@ -65,7 +65,7 @@ class LLM:
             if on_block is not None:
                 on_block(self.tokenizer.decode(ids), new_ids, finished)
 
-        res = self.engine.generate_ids(prompt_ids, params, on_block=stream)
+        res = self.engine.generate_ids(prompt_ids, params, on_block=stream, cancelled=cancelled)
         text = self.tokenizer.decode(res.token_ids)
         finish = res.finish_reason
         for s in params.stop:

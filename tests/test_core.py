@@ -342,3 +342,15 @@ def test_moe_layer_op_count_does_not_grow_with_active_experts(tiny_ckpt):
             manager.run(layer, x, ids, weights)
         counts[n_active] = c.n
     assert len(set(counts.values())) == 1 and counts[1] > 5, counts
+
+
+def test_api_cancellation(tiny_ckpt):
+    llm = oled.LLM(str(tiny_ckpt), policy="full")
+    calls = []
+
+    def cancelled():
+        calls.append(1)
+        return len(calls) > 3          # let three iterations run, then stop
+
+    out = llm.generate(prompt_token_ids=PROMPTS[1], gen_length=128, threshold=1.0, cancelled=cancelled)
+    assert out.finish_reason == "cancelled" and out.counters["nfe"] == 3
