@@ -6,7 +6,6 @@ import math
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 

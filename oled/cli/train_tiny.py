@@ -1,8 +1,6 @@
 """`oled train-tiny`: train the small LLaDA2-architecture model (see oled/train/tiny.py)."""
 from __future__ import annotations
 
-import argparse
-
 
 def add_parser(sub) -> None:
     from ..train.tiny import build_parser

@@ -28,7 +28,6 @@ class GenerationResult:
     iterations_per_block: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    text: str | None = None
 
     @property
     def tokens_per_forward(self) -> float:

@@ -1,7 +1,6 @@
 """Self-attention with QK-norm, partial rotate-half RoPE, GQA, and a KV cache written in place."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -7,7 +7,7 @@ about architecture names.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +60,6 @@ class ModelConfig:
     def expert_numel(self) -> int:
         """Parameters of one routed expert (gate, up and down)."""
         return 3 * self.hidden_size * self.expert_intermediate_size
-
-    def expert_bytes(self, itemsize: int) -> int:
-        return self.expert_numel * itemsize
-
-    def total_expert_bytes(self, itemsize: int) -> int:
-        return len(self.moe_layers) * self.num_experts * self.expert_bytes(itemsize)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
-        return d
 
 
 def _get(raw: dict, *keys: str, default: Any = ConfigError):

@@ -24,9 +24,6 @@ class ExpertCache:
     def resident(self, layer: int) -> dict[int, int]:
         return self.slot_of[layer]
 
-    def is_resident(self, layer: int, expert: int) -> bool:
-        return expert in self.slot_of[layer]
-
     def has_free_slot(self, layer: int) -> bool:
         return bool(self.free[layer])
 

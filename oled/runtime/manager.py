@@ -138,8 +138,11 @@ class ExpertManager:
         for wave in self.residency.waves(step):
             self._copy(layer, wave.loads, wave.slots)
             if wave.experts:
+                slot_lut = np.full(self.config.num_experts, -1, dtype=np.int64)   # this wave's experts -> slots
                 slot_of = self.cache.resident(layer)
-                slots_np = np.array([slot_of.get(e, -1) if e in wave.experts else -1 for e in flat], dtype=np.int64)
+                wave_experts = list(wave.experts)
+                slot_lut[wave_experts] = [slot_of[e] for e in wave_experts]
+                slots_np = slot_lut[flat]
                 n_valid = int((slots_np >= 0).sum())
                 if self.cuda:
                     self._wait_copies(slots_np[slots_np >= 0])
