@@ -1,26 +1,56 @@
-"""Quick CUDA-path check: llada2-mini shapes with few layers; full vs offloaded policies agree, and they run."""
+"""Quick CUDA-path check on a few-layer model with LLaDA2.0-mini shapes: CUDA-graph replays of `full` give the eager
+forwards' tokens, and every policy kind runs (GPU-only policies must agree with `full` token for token).
+
+    python benchmarks/h200_smoke.py [LAYERS] [PRESET]
+Exit status: 0 all good; 2 graph replays changed tokens (run later stages with --no-cuda-graphs); 1 a policy failed.
+"""
 import sys
 import time
+import traceback
 
 import oled
 
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+preset = sys.argv[2] if len(sys.argv) > 2 else "llada2-mini"
+PROMPT, GEN = "def quicksort(items):", 128
 t = time.time()
-llm = oled.LLM(random_weights="llada2-mini", layers=layers, policy="full")
+llm = oled.LLM(random_weights=preset, layers=layers, policy="full")
 print(f"built in {time.time() - t:.1f}s: {llm.engine.describe()}", flush=True)
-ref = None
-for policy, budget in [("full", "1.0"), ("lru", "0.25"), ("prefetch", "0.25"), ("tide", "0.25"), ("fiddler", "0.25")]:
+
+
+def run(label):
+    o = [llm.generate(PROMPT, gen_length=GEN) for _ in range(2)][-1]
+    print(f"{label:18s} TPOT {o.counters['tpot_s'] * 1e3:7.2f} ms  nfe {o.counters['nfe']:4d} "
+          f"TPF {o.counters['tokens_per_forward']:.2f}  hit rate {llm.stats().get('hit_rate_tokens')}", flush=True)
+    return o.token_ids
+
+
+graphs, llm.engine.graphs = llm.engine.graphs, None
+eager = run("full (eager)")
+llm.engine.graphs = graphs
+status = 0
+if graphs is None:
+    print("no CUDA graphs (not on CUDA, or disabled)")
+else:
+    ref = run("full (graphs)")
+    print(f"graphs: {graphs.captures} captures, {graphs.replays} replays, enabled {graphs.enabled}; "
+          f"tokens {'identical to' if ref == eager else 'DIFFERENT from'} eager", flush=True)
+    status = 0 if ref == eager else 2
+for policy, budget in [("lru", "0.25"), ("prefetch", "0.25"), ("tide", "0.25"), ("fiddler", "0.25")]:
     try:
         if policy == "fiddler":
             llm.engine.set_runtime("fiddler", budget, popularity=llm.engine.manager.stats.popularity())
         else:
             llm.engine.set_runtime(policy, budget)
-        outs = [llm.generate("def quicksort(items):", gen_length=128) for _ in range(2)]
-        o = outs[-1]
-        ref = ref or o.token_ids
-        agree = sum(a == b for a, b in zip(o.token_ids, ref)) / max(len(ref), 1)
-        print(f"{policy:9s} {budget:5s} TPOT {o.counters['tpot_s'] * 1e3:7.2f} ms  nfe {o.counters['nfe']:4d} "
-              f"TPF {o.counters['tokens_per_forward']:.2f}  agree {agree:.3f}  stats {llm.stats().get('hit_rate_tokens')}",
-              flush=True)
-    except Exception as e:  # report and continue: this is a smoke check
+        toks = run(f"{policy} {budget}")
+        agree = sum(a == b for a, b in zip(toks, eager)) / max(len(eager), 1)
+        first = next((i for i, (a, b) in enumerate(zip(toks, eager)) if a != b), None)
+        print(f"{'':18s} agreement with full {agree:.3f}, first differing token {first}", flush=True)
+        if policy in ("lru", "prefetch") and toks != eager:
+            print(f"{policy}: GPU-only policy changed tokens", flush=True)
+            status = status or 1
+    except Exception as e:  # report and go on: this is a smoke check
+        status = status or 1
         print(f"{policy} {budget} FAILED: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+sys.exit(status)

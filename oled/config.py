@@ -18,6 +18,7 @@ class EngineConfig:
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores)
     pin_memory: bool = True
+    cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

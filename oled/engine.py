@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig
+from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import build_empty, load_checkpoint, load_tensors
@@ -78,6 +79,9 @@ class Engine:
         freed before the new one is allocated. policy_options go to make_policy (tau, popularity: a file path or the
         data itself, ...); options a policy does not take and None values are ignored."""
         old, self.manager = self.manager, None
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.clear()
+        self.graphs = None
         if old is not None:
             old.close()
             for block in self.model.moe_blocks():
@@ -97,6 +101,9 @@ class Engine:
                 self._cpu_kernel = CpuExpertKernel(num_threads=self.cfg.cpu_threads or default_cpu_threads(self.device))
             cpu_kernel = self._cpu_kernel
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
+        # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
+        self.graphs = (ForwardGraphs(self.model, self.manager)
+                       if self.cfg.cuda_graphs and self.device.type == "cuda" and self.policy.static_full else None)
         for block in self.model.moe_blocks():
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.route
@@ -117,7 +124,7 @@ class Engine:
                      cancelled=None) -> GenerationResult:
         params.validate()
         return generate(self.model, self.manager, prompt_ids, params, on_block=on_block, timer=self.timer,
-                        cancelled=cancelled)
+                        cancelled=cancelled, graphs=self.graphs)
 
     def describe(self) -> str:
         return (f"{self.model_name} ({self.config.model_type}, {self.config.num_layers} layers, "

@@ -98,6 +98,7 @@ class BenchConfig:
     dtype: str | None = None
     cpu_threads: int | None = None
     pin_memory: bool = True
+    cuda_graphs: bool = True
     # decoding and protocol
     decode: DecodeParams = field(default_factory=DecodeParams)
     prompts: int | None = None           # use at most this many prompts of each workload
@@ -240,7 +241,8 @@ class Bench:
         cfg = self.cfg
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
-                            pin_memory=cfg.pin_memory, policy="lru", expert_budget=self._smallest_budget_guess())
+                            pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs, policy="lru",
+                            expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)
         self.engine = engine
         self._check_budgets(len(engine.config.moe_layers), engine.config.num_experts, engine.store.expert_bytes)
@@ -338,7 +340,8 @@ class Bench:
         torch.manual_seed(self.cfg.seed)
         params = self.cfg.decode
         params.validate()
-        return generate(engine.model, manager or engine.manager, ids, params, timer=timer)
+        return generate(engine.model, manager or engine.manager, ids, params, timer=timer,
+                        graphs=engine.graphs if manager is None else None)
 
     def _reference(self, engine, workload, prompts):
         """Reference tokens (full residency) and expert popularity for fiddler, from one untimed pass."""

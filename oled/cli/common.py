@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
     g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +44,8 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, random_weights=args.random_weights, layers=args.layers, seed=args.seed,
                         device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
                         tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
-                        pin_memory=args.pin_memory, profile=getattr(args, "profile", False))
+                        pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
+                        profile=getattr(args, "profile", False))
 
 
 def decode_params(args) -> DecodeParams:

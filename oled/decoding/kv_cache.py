@@ -14,6 +14,7 @@ from ..models.config import ModelConfig
 
 class KVCache:
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device):
+        self.max_len = max_len
         shape = (config.num_kv_heads, max_len, config.head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

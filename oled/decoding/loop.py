@@ -55,9 +55,10 @@ def _sync(device: torch.device) -> None:
 
 
 def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None,
-             cancelled=None) -> GenerationResult:
+             cancelled=None, graphs=None) -> GenerationResult:
     """Decode one request. on_block(new_token_ids, finished) is called as each block commits (streaming);
-    cancelled() -> True stops at the next iteration (client gone)."""
+    cancelled() -> True stops at the next iteration (client gone). graphs: a ForwardGraphs that replays forwards
+    whose shapes repeat (given for static expert placements on CUDA)."""
     config: ModelConfig = model.config
     device = model.embed.weight.device
     B = params.block_length or config.block_length
@@ -78,7 +79,10 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     if params.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else 0)
-    kv = KVCache(config, total, model.embed.weight.dtype, device)
+    if graphs is not None and timer is None:      # replayed forwards (a profiled run times sections: eager)
+        run, kv = graphs, graphs.kv_cache(total)
+    else:
+        run, kv = model, KVCache(config, total, model.embed.weight.dtype, device)
     mode = CACHE_MODES[params.cache](config.block_causal)
     result = GenerationResult(token_ids=[], finish_reason="length")
     kwargs = {} if timer is None else {"timer": timer}
@@ -86,7 +90,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
         ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
         manager.begin_forward(kind)
-        out = model(ids, start, kv, kv_end, rows, **kwargs)
+        out = run(ids, start, kv, kv_end, rows, **kwargs)
         if kind == "iteration":
             result.nfe += 1
         else:

@@ -203,6 +203,19 @@ class ExpertManager:
     def begin_forward(self, kind: str) -> None:
         self.stats.begin_forward(kind)
 
+    def routing_mark(self) -> int:
+        return len(self._routing_log)
+
+    def take_routing(self, mark: int) -> list[tuple[int, torch.Tensor]]:
+        """Remove and return the routing logged since `mark` (a CUDA graph capture keeps it to hand back)."""
+        taken = self._routing_log[mark:]
+        del self._routing_log[mark:]
+        return taken
+
+    def log_routing(self, routing: list[tuple[int, torch.Tensor]]) -> None:
+        """Routing produced by a graph replay: the same device tensors every replay, read by end_forward."""
+        self._routing_log.extend(routing)
+
     def end_forward(self) -> None:
         """Record the static path's routing (one device-to-host transfer per forward)."""
         if not self._routing_log:
