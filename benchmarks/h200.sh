@@ -6,7 +6,8 @@
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke grid", "grid2", "core tiny").
-# If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs.
+# If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; with
+# OFFLOAD_GRAPHS=1 and a clean smoke check they run with --offload-graphs (segmented graphs of offloaded forwards).
 # Results: $OUT/results-<stages>.tgz, and the tails of the logs on stdout.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,6 +24,7 @@ if has smoke; then
   timeout ${SMOKE_S:-150} python3 benchmarks/h200_smoke.py 4 > $R/smoke.log 2>&1; rc=$?; echo "smoke rc=$rc"
   tail -30 $R/smoke.log
   [ $rc -eq 2 ] && GRAPHS=--no-cuda-graphs
+  [ $rc -eq 0 ] && [ "${OFFLOAD_GRAPHS:-0}" = 1 ] && GRAPHS=--offload-graphs
 fi
 GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} --workload code --prompts 1 --gen-length 256
       --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS"

@@ -1,8 +1,10 @@
 """Quick CUDA-path check on a few-layer model with LLaDA2.0-mini shapes: CUDA-graph replays of `full` give the eager
-forwards' tokens, and every policy kind runs (GPU-only policies must agree with `full` token for token).
+forwards' tokens, every policy kind runs (GPU-only policies must agree with `full` token for token), and segmented
+graphs of offloaded forwards give the tokens of the same policy run eagerly.
 
     python benchmarks/h200_smoke.py [LAYERS] [PRESET]
-Exit status: 0 all good; 2 graph replays changed tokens (run later stages with --no-cuda-graphs); 1 a policy failed.
+Exit status: 0 all good; 2 graph replays of `full` changed tokens (run later stages with --no-cuda-graphs); 1 a policy
+failed; 3 segmented graphs of offloaded forwards changed tokens (do not use --offload-graphs).
 """
 import sys
 import time
@@ -53,4 +55,25 @@ for policy, budget in [("lru", "0.25"), ("prefetch", "0.25"), ("tide", "0.25"), 
         status = status or 1
         print(f"{policy} {budget} FAILED: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
+# Segmented graphs of offloaded forwards (--offload-graphs): the same tokens as the same policy run eagerly.
+for policy, budget in ([("lru", "0.25"), ("tide", "0.25")] if graphs is not None else []):
+    try:
+        llm.engine.cfg.offload_graphs = False
+        llm.engine.set_runtime(policy, budget)
+        plain = run(f"{policy} {budget} eager")
+        llm.engine.cfg.offload_graphs = True
+        llm.engine.set_runtime(policy, budget)
+        seg = run(f"{policy} {budget} graphs")
+        g = llm.engine.graphs
+        same = seg == plain
+        print(f"{'':18s} segmented graphs: {g.captures} captures, {g.replays} replays, enabled {g.enabled}; tokens "
+              f"{'identical to' if same else 'DIFFERENT from'} eager", flush=True)
+        if not same:
+            status = status or 3
+    except Exception as e:
+        status = status or 1
+        print(f"{policy} {budget} with segmented graphs FAILED: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+    finally:
+        llm.engine.cfg.offload_graphs = False
 sys.exit(status)

@@ -1,4 +1,4 @@
-"""Where a decode iteration's time goes on the GPU: torch.profiler over one generation, plus the grouped expert
+"""Where an eager decode iteration's time goes on the GPU: torch.profiler over one generation, plus the grouped expert
 GEMM timed alone on the layer's slot pool (strided views) against the same weights made contiguous.
 
     python benchmarks/profile_forward.py [LAYERS] [POLICY] [BUDGET]
@@ -15,7 +15,8 @@ from oled.runtime.grouped import grouped_swiglu
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 policy = sys.argv[2] if len(sys.argv) > 2 else "full"
 budget = sys.argv[3] if len(sys.argv) > 3 else "1.0"
-llm = oled.LLM(random_weights="llada2-mini", layers=layers, policy=policy, expert_budget=budget)
+llm = oled.LLM(random_weights="llada2-mini", layers=layers, policy=policy, expert_budget=budget,
+               cuda_graphs=False)                       # the eager forward: what graphs replace
 prompt = "def quicksort(items):"
 llm.generate(prompt, gen_length=64)
 torch.cuda.synchronize()
@@ -23,8 +24,9 @@ t = time.perf_counter()
 out = llm.generate(prompt, gen_length=64)
 torch.cuda.synchronize()
 wall = time.perf_counter() - t
-print(f"{policy} {budget}: {wall * 1e3:.1f} ms for nfe {out.counters['nfe']} -> {wall / out.counters['nfe'] * 1e3:.2f} ms "
-      f"per forward ({layers} layers)", flush=True)
+nfe = out.counters["nfe"]
+print(f"{policy} {budget}: {wall * 1e3:.1f} ms for nfe {nfe} -> {wall / nfe * 1e3:.2f} ms per forward "
+      f"({layers} layers)", flush=True)
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     llm.generate(prompt, gen_length=64)
     torch.cuda.synchronize()

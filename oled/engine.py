@@ -102,8 +102,10 @@ class Engine:
             cpu_kernel = self._cpu_kernel
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
-        self.graphs = (ForwardGraphs(self.model, self.manager)
-                       if self.cfg.cuda_graphs and self.device.type == "cuda" and self.policy.static_full else None)
+        static = self.policy.static_full
+        self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
+                       if self.cfg.cuda_graphs and self.device.type == "cuda" and (static or self.cfg.offload_graphs)
+                       else None)
         for block in self.model.moe_blocks():
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.route

@@ -1,48 +1,21 @@
-"""Forward graphs (oled/decoding/graphs.py): which forwards are captured and replayed, the persistent KV cache, and
-statistics, with a stand-in backend whose "replay" reruns the captured forward eagerly (CUDA graphs need a GPU; the
-H200 smoke check compares real graph replays with eager forwards token for token)."""
+"""Forward graphs (oled/decoding/graphs.py): which forwards are captured and replayed, segments around the offloaded
+path's host round trips, the persistent KV cache, statistics and the eager fallback. CUDA graphs need a GPU, so
+these tests use tests/graph_emulator.py, which gives replays CUDA-graph semantics on the CPU (only recorded tensor
+operations rerun); the H200 smoke check (benchmarks/h200_smoke.py) compares real replays with eager forwards."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import oled
+from oled.decoding import graphs as graphs_mod
 from oled.decoding.graphs import ForwardGraphs
 from oled.decoding.loop import generate
 
+from .graph_emulator import EmulatedGraphs
+
 PROMPT = "hello world, how are you today?"
-
-
-class ReplayByRerun:
-    """Backend for CPU tests: capture runs the forward once; replay reruns it and writes the results (logits and the
-    routing the capture logged) into the captured tensors, as a CUDA graph replay writes into its static outputs."""
-
-    def __init__(self, manager, fail: bool = False):
-        self.manager, self.fail = manager, fail
-        self.released = 0
-
-    def capture(self, fn):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        mark = self.manager.routing_mark()
-        out = fn()
-        return _Rerun(fn, out, list(self.manager._routing_log[mark:]), self.manager), out
-
-    def release(self, graph):
-        self.released += 1
-
-
-class _Rerun:
-    def __init__(self, fn, out, routing, manager):
-        self.fn, self.out, self.routing, self.manager = fn, out, routing, manager
-
-    def replay(self):
-        with torch.inference_mode():
-            mark = self.manager.routing_mark()
-            res = self.fn()
-            for (_, old), (_, new) in zip(self.routing, self.manager.take_routing(mark)):
-                old.copy_(new)
-            self.out.copy_(res)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +31,16 @@ def _run(llm, graphs, gen_length=64, threshold=0.95):
     return res, eng.manager.stats.summary()
 
 
+def _graphs(llm, backend=None, **kw):
+    eng = llm.engine
+    return ForwardGraphs(eng.model, eng.manager, backend=backend or EmulatedGraphs(),
+                         segmented=not eng.policy.static_full, **kw)
+
+
 def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
+    llm.engine.set_runtime("full", "1.0")
     eager, eager_stats = _run(llm, None)
-    graphs = ForwardGraphs(llm.engine.model, llm.engine.manager, backend=ReplayByRerun(llm.engine.manager))
+    graphs = _graphs(llm)
     replayed, stats = _run(llm, graphs)
     assert replayed.token_ids == eager.token_ids
     assert replayed.nfe == eager.nfe
@@ -71,17 +51,62 @@ def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
     assert later, "the test needs at least two blocks"
     assert graphs.captures == (first >= 2) + sum(n >= 3 for n in later)
     assert graphs.replays == (first - 1) + sum(max(n - 2, 0) for n in later)
+    assert graphs.backend.segments == graphs.captures   # a static placement: one segment per forward
+
+
+@pytest.mark.parametrize("policy,budget", [("lru", "0.25"), ("lru", "0.0625"), ("prefetch", "0.25"),
+                                           ("tide", "0.25"), ("fiddler", "0.25")])
+def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
+    """Offloaded forwards replay segment by segment with the manager's host steps in between: same tokens and the
+    same hit/miss/copy statistics as eager forwards (0.0625 = one slot per layer: several waves per layer)."""
+    options = {}
+    if policy == "fiddler":                             # popularity of a full run
+        llm.engine.set_runtime("full", "1.0")
+        _run(llm, None)
+        options = {"popularity": llm.engine.manager.stats.popularity()}
+    llm.engine.set_runtime(policy, budget, **options)
+    eager, eager_stats = _run(llm, None)
+    llm.engine.set_runtime(policy, budget, **options)   # the same cold cache for the replayed run
+    graphs = _graphs(llm)
+    replayed, stats = _run(llm, graphs)
+    assert replayed.token_ids == eager.token_ids
+    assert stats == eager_stats                         # hits, misses, copies, CPU pairs: the same decisions
+    moe_layers = len(llm.engine.config.moe_layers)
     assert graphs.replays > 0
+    assert graphs.backend.segments == graphs.captures * (moe_layers + 1)   # one host step per MoE layer
+
+
+def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch):
+    """The emulator's replays run only recorded tensor operations: if the host step's result did not reach the
+    buffer the next segment reads, replayed logits would differ from eager ones."""
+    llm.engine.set_runtime("lru", "0.25")
+    eng = llm.engine
+    graphs = _graphs(llm)
+    kv = graphs.kv_cache(64)
+    ids = torch.from_numpy(np.array(eng.tokenizer.encode(PROMPT)[:8] + [eng.config.mask_token_id] * 24))
+    rows = slice(0, 32)
+    eager = eng.model(ids, 0, kv, 32, rows).clone()
+    graphs(ids, 0, kv, 32, rows)                         # first use: eager
+    captured = graphs(ids, 0, kv, 32, rows).clone()      # captured and replayed
+    assert torch.equal(captured, eager)
+    torch.testing.assert_close(graphs(ids, 0, kv, 32, rows), eager, rtol=0, atol=0)
+    other = torch.from_numpy(np.array([eng.config.mask_token_id] * 32))
+    other_eager = eng.model(other, 0, kv, 32, rows).clone()
+    assert torch.equal(graphs(other, 0, kv, 32, rows), other_eager)
+    graphs(ids, 0, kv, 32, rows)
+    monkeypatch.setattr(graphs_mod._HostStep, "run", lambda self, manager: None)
+    # the buffers the segments read still hold the routed outputs computed for `ids`
+    assert not torch.allclose(graphs(other, 0, kv, 32, rows), other_eager)
 
 
 def test_kv_cache_persists_and_grows(llm):
-    backend = ReplayByRerun(llm.engine.manager)
-    graphs = ForwardGraphs(llm.engine.model, llm.engine.manager, backend=backend, max_graphs=1)
+    llm.engine.set_runtime("full", "1.0")
+    graphs = _graphs(llm, max_graphs=1)
     first, _ = _run(llm, graphs, gen_length=32)
     kv = graphs.kv
     second, _ = _run(llm, graphs, gen_length=32)
     assert graphs.kv is kv and second.token_ids == first.token_ids     # same cache, same addresses for graphs
-    assert len(graphs.graphs) <= 1 and backend.released >= 1          # bounded: older graphs are released
+    assert len(graphs.graphs) <= 1 and graphs.backend.released >= 1   # bounded: older graphs are released
     longer, _ = _run(llm, graphs, gen_length=96)
     assert graphs.kv is not kv and graphs.kv.max_len >= kv.max_len + 64
     eager, _ = _run(llm, None, gen_length=96)
@@ -89,8 +114,9 @@ def test_kv_cache_persists_and_grows(llm):
 
 
 def test_failed_capture_falls_back_to_eager(llm, caplog):
+    llm.engine.set_runtime("full", "1.0")
     eager, eager_stats = _run(llm, None)
-    graphs = ForwardGraphs(llm.engine.model, llm.engine.manager, backend=ReplayByRerun(llm.engine.manager, fail=True))
+    graphs = _graphs(llm, backend=EmulatedGraphs(fail_capture=True))
     with caplog.at_level("WARNING", logger="oled"):
         res, stats = _run(llm, graphs)
     assert res.token_ids == eager.token_ids and stats == eager_stats
@@ -98,6 +124,7 @@ def test_failed_capture_falls_back_to_eager(llm, caplog):
     assert "CUDA graph capture failed" in caplog.text
 
 
-def test_engine_uses_graphs_only_for_static_placements_on_cuda(llm):
+def test_engine_uses_graphs_only_on_cuda(llm):
+    llm.engine.set_runtime("full", "1.0")
     assert llm.engine.graphs is None                   # CPU: nothing to capture
-    assert oled.EngineConfig().cuda_graphs is True
+    assert oled.EngineConfig().cuda_graphs is True and oled.EngineConfig().offload_graphs is False

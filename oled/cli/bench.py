@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     e.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
+    e.add_argument("--offload-graphs", action="store_true",
+                   help="also replay repeated offloaded forwards as CUDA graphs, in segments between the host round "
+                        "trips (experimental: not yet measured on a GPU)")
     e.add_argument("--tide-tau", type=int, help="tide: default refresh period (or give tide:tau=N)")
     e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
                                         "reference pass, or from the trace when replaying)")
@@ -69,7 +72,8 @@ def run(args) -> int:
     cfg = BenchConfig(policies=parse_list(args.policies), budgets=parse_list(args.budgets),
                       workloads=parse_list(args.workload), out=args.out, model=args.model,
                       random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
-                      dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
+                      dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
+                      cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
                       profile_all=args.profile_all, profile=args.profile, replay=args.replay,

@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
+    g.add_argument("--offload-graphs", action="store_true",
+                   help="also replay repeated offloaded forwards as CUDA graphs, in segments between the host round "
+                        "trips (experimental: not yet measured on a GPU)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,7 @@ def engine_config(args) -> EngineConfig:
                         device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
                         tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
+                        offload_graphs=args.offload_graphs,
                         profile=getattr(args, "profile", False))
 
 

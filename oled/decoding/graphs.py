@@ -1,9 +1,15 @@
 """CUDA graphs for the forwards that repeat, so that the host stops bounding the decode.
 
 Every iteration of a block after its first runs the same number of tokens at the same positions against the same
-keys. With a static expert placement (`full`) such a forward needs no host decision at all, so it can be captured
-once and replayed: one launch instead of ~90 kernel launches per layer issued from Python. On the H200 an eager
-4-layer LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py).
+keys. With a static expert placement (`full`) such a forward needs no host decision, so it is captured once and
+replayed: one launch instead of ~90 kernel launches per layer issued from Python. On the H200 an eager 4-layer
+LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py), and graph
+replays took `full` from 8.4 to 2.7 ms per token there.
+
+An offloaded forward needs the host once per MoE layer (the routing decides copies and CPU jobs). With `segmented`
+the forward is captured as segments that end where the manager needs the host: replaying a forward replays a
+segment (attention, router, the previous layer's combine, ...), runs the manager's offloaded path eagerly on the
+segment's outputs, writes its result into the buffer the next segment reads, and goes on.
 
 A shape is captured on its second use (a block's first forward runs once, so capturing it would not pay) and
 replayed from then on. A replay runs the very kernels the eager forward ran, on the same shapes, so its tokens are
@@ -11,6 +17,7 @@ those of the eager path. The KV cache is owned here and kept across requests: a 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 
@@ -22,32 +29,61 @@ log = logging.getLogger("oled")
 
 
 class CudaGraphBackend:
-    """Capture and replay with torch.cuda.CUDAGraph (the only backend outside the tests)."""
+    """Segments are torch.cuda.CUDAGraph captures sharing one memory pool per forward; captures run on a side stream
+    (capture is not allowed on the default stream)."""
+
+    def __init__(self):
+        self.stream = None
+
+    @contextlib.contextmanager
+    def capturing(self):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
 
     @staticmethod
-    def capture(fn):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph, out
+    def new_graph(share_with=None):
+        return _CudaSegment(share_with)
 
-    @staticmethod
-    def release(graph) -> None:
-        graph.reset()
+
+class _CudaSegment:
+    def __init__(self, share_with):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = share_with.graph.pool() if share_with is not None else None
+
+    def begin(self):
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self):
+        self.graph.capture_end()
+
+    def replay(self):
+        self.graph.replay()
+
+    def release(self):
+        self.graph.reset()
 
 
 class ForwardGraphs:
-    """Runs model forwards, replaying a captured graph for a (tokens, start, keys, rows) shape seen before.
+    """Runs model forwards, replaying the captured graphs of a (tokens, start, keys, rows) shape seen before.
 
-    The manager's static path logs each layer's routing on the device and reads it back once per forward; a graph
-    keeps the tensors its capture logged and hands them to the manager after every replay, so statistics are kept
-    exactly as in an eager forward.
+    The manager's static path logs each layer's routing on the device and reads it back once per forward; a capture
+    keeps the tensors it logged and hands them to the manager after every replay, so statistics are kept exactly as
+    in an eager forward. The offloaded path keeps its statistics on the host as it runs, replay or not.
     """
 
-    def __init__(self, model, manager, backend=CudaGraphBackend, max_graphs: int = 4, max_seen: int = 4096):
-        self.model, self.manager, self.backend = model, manager, backend
-        self.max_graphs, self.max_seen = max_graphs, max_seen
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+    def __init__(self, model, manager, backend=None, max_graphs: int = 4, max_seen: int = 4096,
+                 segmented: bool = False):
+        self.model, self.manager = model, manager
+        self.backend = backend if backend is not None else CudaGraphBackend()
+        self.max_graphs, self.max_seen, self.segmented = max_graphs, max_seen, segmented
+        self.graphs: OrderedDict[tuple, _Forward] = OrderedDict()
         self.seen: set[tuple] = set()
         self.kv: KVCache | None = None
         self.enabled = True
@@ -62,8 +98,8 @@ class ForwardGraphs:
         return self.kv
 
     def clear(self) -> None:
-        for g in self.graphs.values():
-            self.backend.release(g.graph)
+        for fwd in self.graphs.values():
+            fwd.release()
         self.graphs.clear()
         self.seen.clear()
 
@@ -71,45 +107,115 @@ class ForwardGraphs:
         if not self.enabled or kv is not self.kv:
             return self.model(ids, start, kv, kv_end, rows)
         key = (ids.shape[0], start, kv_end, None if rows is None else (rows.start, rows.stop, rows.step))
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.seen:
-                if len(self.seen) >= self.max_seen:
-                    self.seen.clear()
-                self.seen.add(key)
-                return self.model(ids, start, kv, kv_end, rows)
-            graph = self._capture(key, ids, start, kv, kv_end, rows)
-            if graph is None:
-                return self.model(ids, start, kv, kv_end, rows)
-        else:
+        fwd = self.graphs.get(key)
+        if fwd is not None:
             self.graphs.move_to_end(key)
-        graph.ids.copy_(ids)
-        graph.graph.replay()
-        self.replays += 1
-        self.manager.log_routing(graph.routing)
-        return graph.out
+            fwd.ids.copy_(ids)
+            out = fwd.replay(self.manager)
+            self.replays += 1
+            return out
+        if key not in self.seen:
+            if len(self.seen) >= self.max_seen:
+                self.seen.clear()
+            self.seen.add(key)
+            return self.model(ids, start, kv, kv_end, rows)
+        return self._capture(key, ids, start, kv, kv_end, rows)
 
-    def _capture(self, key, ids, start, kv, kv_end, rows) -> _Graph | None:
-        static_ids = ids.clone()
+    def _capture(self, key, ids, start, kv, kv_end, rows):
+        """Capture the forward segment by segment; each segment is replayed as soon as it is captured, so this
+        forward's own result comes out of the graphs (and a host step in between sees real values)."""
+        fwd = _Forward(self.backend, ids.clone())
         mark = self.manager.routing_mark()
         try:
-            graph, out = self.backend.capture(lambda: self.model(static_ids, start, kv, kv_end, rows))
+            with self.backend.capturing():
+                fwd.begin_segment()
+                if self.segmented:
+                    self.manager.host_boundary = fwd.boundary(self.manager)
+                fwd.out = self.model(fwd.ids, start, kv, kv_end, rows)
+                fwd.end_segment()
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
+            fwd.abort()
             self.manager.take_routing(mark)
             self.enabled = False
             log.warning("CUDA graph capture failed, forwards run eagerly from now on: %s", str(e).splitlines()[0])
-            return None
-        routing = self.manager.take_routing(mark)  # logged by the capture, which ran no kernel
+            return self.model(ids, start, kv, kv_end, rows)
+        finally:
+            self.manager.host_boundary = None
+        fwd.routing = self.manager.take_routing(mark)   # logged while capturing; handed back after every replay
+        self.manager.log_routing(fwd.routing)
         if len(self.graphs) >= self.max_graphs:
             _, old = self.graphs.popitem(last=False)
-            self.backend.release(old.graph)
-        g = self.graphs[key] = _Graph(graph, static_ids, out, routing)
+            old.release()
+        self.graphs[key] = fwd
         self.captures += 1
-        return g
+        self.replays += 1
+        return fwd.out
 
 
-class _Graph:
-    __slots__ = ("graph", "ids", "out", "routing")
+class _HostStep:
+    """The manager's offloaded path between two segments: its inputs are the earlier segment's outputs, its result
+    goes into `out`, which the next segment reads."""
+    __slots__ = ("layer", "x", "ids", "weights", "out")
 
-    def __init__(self, graph, ids, out, routing):
-        self.graph, self.ids, self.out, self.routing = graph, ids, out, routing
+    def __init__(self, layer, x, ids, weights, out):
+        self.layer, self.x, self.ids, self.weights, self.out = layer, x, ids, weights, out
+
+    def run(self, manager) -> None:
+        self.out.copy_(manager.run_offloaded(self.layer, self.x, self.ids, self.weights))
+
+
+class _Forward:
+    """One captured forward: segments in order, each followed by the host step that ended it (None for the last)."""
+
+    def __init__(self, backend, ids):
+        self.backend, self.ids = backend, ids
+        self.segments: list = []
+        self.steps: list[_HostStep | None] = []
+        self.out = None
+        self.routing: list = []
+        self._open = None
+
+    def begin_segment(self) -> None:
+        seg = self.backend.new_graph(share_with=self.segments[0] if self.segments else None)
+        seg.begin()
+        self._open = seg
+
+    def end_segment(self) -> None:
+        seg, self._open = self._open, None
+        seg.end()
+        self.segments.append(seg)
+        self.steps.append(None)
+        seg.replay()
+
+    def boundary(self, manager):
+        def host_step(layer, x, ids, weights):
+            # The segment so far (up to this layer's router) is captured and replayed: x, ids and weights now hold
+            # real values. The offloaded path runs eagerly and its result goes where the next segment reads it
+            # (allocated outside the capture, so no segment's memory pool owns it).
+            self.end_segment()
+            step = self.steps[-1] = _HostStep(layer, x, ids, weights, torch.empty_like(x))
+            step.run(manager)
+            self.begin_segment()
+            return step.out
+        return host_step
+
+    @torch.inference_mode()
+    def replay(self, manager):
+        for seg, step in zip(self.segments, self.steps):
+            seg.replay()
+            if step is not None:
+                step.run(manager)
+        manager.log_routing(self.routing)
+        return self.out
+
+    def abort(self) -> None:
+        if self._open is not None:
+            with contextlib.suppress(RuntimeError):
+                self._open.end()
+            self._open = None
+        self.release()
+
+    def release(self) -> None:
+        for seg in self.segments:
+            seg.release()
+        self.segments.clear()

@@ -52,6 +52,8 @@ class ExpertManager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._routing_log: list[tuple[int, torch.Tensor]] = []   # static path: routing kept on device until the
                                                                  # forward ends, then recorded in one transfer
+        # Set while a segmented CUDA graph is captured (decoding/graphs.py): called instead of run_offloaded.
+        self.host_boundary = None
 
     # ----------------------------------------------------------------------------------------------- placement
     def _place_initial(self) -> None:
@@ -109,18 +111,23 @@ class ExpertManager:
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
-        T, k = ids.shape
-        pair_tokens = torch.arange(T * k, device=x.device) // k
-        y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
         if self.policy.static_full:
+            T, k = ids.shape
+            pair_tokens = torch.arange(T * k, device=x.device) // k
+            y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
             pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
             self._grouped(layer, x, pair_tokens, pair_slots, y_pairs, T * k)
             self._routing_log.append((layer, ids))
             return self._combine(y_pairs, weights, T, k, x.dtype)
-        return self._run_offloaded(layer, x, ids, weights, pair_tokens, y_pairs)
+        if self.host_boundary is not None:        # a segmented graph capture ends its segment here
+            return self.host_boundary(layer, x, ids, weights)
+        return self.run_offloaded(layer, x, ids, weights)
 
-    def _run_offloaded(self, layer, x, ids, weights, pair_tokens, y_pairs):
+    def run_offloaded(self, layer, x, ids, weights):
+        """The offloaded path: a host round trip for the routing, then copies, CPU jobs and grouped compute."""
         T, k = ids.shape
+        pair_tokens = torch.arange(T * k, device=x.device) // k
+        y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
         if nxt is None:
             flat = ids.reshape(-1).cpu().numpy()      # the host round trip: decisions need the routing
