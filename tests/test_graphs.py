@@ -45,12 +45,13 @@ def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
     assert replayed.token_ids == eager.token_ids
     assert replayed.nfe == eager.nfe
     assert stats == eager_stats                        # routing read back from the replays counts like eager
-    # A shape is captured at its second use and replayed from then on. The first block's forwards all have one
-    # shape; a later block's first forward also writes the finished block's K/V (a shape used once), then repeats.
+    # Steady-state iterations are captured at their first use and replayed from then on. The first block's forwards
+    # all have that shape; a later block's first forward also writes the finished block's K/V (a shape used once:
+    # eager), then the block's steady shape repeats.
     first, *later = eager.iterations_per_block
     assert later, "the test needs at least two blocks"
-    assert graphs.captures == (first >= 2) + sum(n >= 3 for n in later)
-    assert graphs.replays == (first - 1) + sum(max(n - 2, 0) for n in later)
+    assert graphs.captures == 1 + sum(n >= 2 for n in later)
+    assert graphs.replays == first + sum(n - 1 for n in later)
     assert graphs.backend.segments == graphs.captures   # a static placement: one segment per forward
 
 
@@ -128,3 +129,18 @@ def test_engine_uses_graphs_only_on_cuda(llm):
     llm.engine.set_runtime("full", "1.0")
     assert llm.engine.graphs is None                   # CPU: nothing to capture
     assert oled.EngineConfig().cuda_graphs is True and oled.EngineConfig().offload_graphs is False
+
+
+def test_one_off_shapes_are_captured_only_when_they_come_back(llm):
+    llm.engine.set_runtime("full", "1.0")
+    eng = llm.engine
+    graphs = _graphs(llm)
+    kv = graphs.kv_cache(64)
+    ids = torch.from_numpy(np.array(eng.tokenizer.encode(PROMPT)[:40] + [eng.config.mask_token_id] * 24)[:64])
+    one_off = slice(32, None)                            # a block's K/V write fused with the next block's iteration
+    eager = eng.model(ids, 0, kv, 64, one_off).clone()
+    assert torch.equal(graphs(ids, 0, kv, 64, one_off), eager) and graphs.captures == 0
+    assert torch.equal(graphs(ids, 0, kv, 64, one_off), eager) and graphs.captures == 1
+    steady = slice(0, None)
+    graphs(ids[32:], 32, kv, 64, steady)
+    assert graphs.captures == 2                          # a steady-state iteration: captured at once

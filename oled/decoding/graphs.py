@@ -11,8 +11,8 @@ the forward is captured as segments that end where the manager needs the host: r
 segment (attention, router, the previous layer's combine, ...), runs the manager's offloaded path eagerly on the
 segment's outputs, writes its result into the buffer the next segment reads, and goes on.
 
-A shape is captured on its second use (a block's first forward runs once, so capturing it would not pay) and
-replayed from then on. A replay runs the very kernels the eager forward ran, on the same shapes, so its tokens are
+A block's steady-state iterations are captured at their first use, any other shape at its second (a block's first
+forward usually runs once, so capturing it would not pay); captured shapes are replayed from then on. A replay runs the very kernels the eager forward ran, on the same shapes, so its tokens are
 those of the eager path. The KV cache is owned here and kept across requests: a graph holds its addresses.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ForwardGraphs:
             out = fwd.replay(self.manager)
             self.replays += 1
             return out
-        if key not in self.seen:
+        if key not in self.seen and not _steady(rows):
             if len(self.seen) >= self.max_seen:
                 self.seen.clear()
             self.seen.add(key)
@@ -150,6 +150,14 @@ class ForwardGraphs:
         self.captures += 1
         self.replays += 1
         return fwd.out
+
+
+def _steady(rows: slice | None) -> bool:
+    """A forward that wants the logits of every token it runs from the first is a block's steady-state iteration,
+    which repeats until the block is done: captured at its first use. Forwards that also run tokens they need no
+    logits for (a finished block's K/V written with the next block's first iteration, a refresh of the whole
+    canvas) happen once per block: captured only if their shape comes back."""
+    return rows is not None and (rows.start or 0) == 0
 
 
 class _HostStep:
