@@ -134,6 +134,8 @@ class ForwardGraphs:
                 fwd.out = self.model(fwd.ids, start, kv, kv_end, rows)
                 fwd.end_segment()
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
+            # (host steps that already ran keep their effects: a failure past the first MoE layer of a segmented
+            # capture counts those layers' statistics twice for this one forward)
             fwd.abort()
             self.manager.take_routing(mark)
             self.enabled = False
