@@ -70,6 +70,7 @@ class Engine:
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
+        self.graphs: ForwardGraphs | None = None
         self._cpu_kernel = None
         self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity)
 
@@ -79,9 +80,9 @@ class Engine:
         freed before the new one is allocated. policy_options go to make_policy (tau, popularity: a file path or the
         data itself, ...); options a policy does not take and None values are ignored."""
         old, self.manager = self.manager, None
-        if getattr(self, "graphs", None) is not None:
+        if self.graphs is not None:
             self.graphs.clear()
-        self.graphs = None
+            self.graphs = None
         if old is not None:
             old.close()
             for block in self.model.moe_blocks():

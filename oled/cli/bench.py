@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_decode_args
+from .common import add_decode_args, add_execution_args
 
 
 def add_parser(sub) -> None:
@@ -41,17 +41,8 @@ def add_parser(sub) -> None:
     g.add_argument("--no-profile", dest="profile", action="store_false", help="no profiled pass (no breakdown)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     e = p.add_argument_group("runtime")
-    e.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
     e.add_argument("--seed", type=int, default=0, help="random-weights and run seed")
-    e.add_argument("--device", help="cuda or cpu (default: cuda if available)")
-    e.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
-    e.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
-    e.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
-    e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    e.add_argument("--offload-graphs", action="store_true",
-                   help="also replay repeated offloaded forwards as CUDA graphs, in segments between the host round "
-                        "trips (experimental: not yet measured on a GPU)")
+    add_execution_args(e)
     e.add_argument("--tide-tau", type=int, help="tide: default refresh period (or give tide:tau=N)")
     e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
                                         "reference pass, or from the trace when replaying)")

@@ -12,15 +12,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
     g.add_argument("--random-weights", metavar="PRESET",
                    help="random weights in memory with a preset's shapes (tiny, llada2-mini, llada2-flash, ...)")
-    g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
     g.add_argument("--seed", type=int, default=0, help="random-weights seed")
-    g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
-    g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--expert-budget", default="1.0",
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
     g.add_argument("--policy", default="lru", help="expert residency policy")
     g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
     g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
+    add_execution_args(g)
+
+
+def add_execution_args(g) -> None:
+    """How the engine runs, whatever the policy (shared by every command that builds an engine, `oled bench` too)."""
+    g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
+    g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
