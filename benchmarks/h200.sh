@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # H200 benchmarks in stages, each under its own time limit so one slow stage cannot take the others' results with it:
 #   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
-#   grid   the policy grid of DESIGN.md section 8 on llada2-mini shapes, part 1: full, lru, lfu at 100/60/40/25 %
-#   grid2  part 2, back-to-back (same prompts, same seed): prefetch, fiddler, tide; then both parts rendered as one
+#   grid   the policy grid of DESIGN.md section 8 on llada2-mini shapes, one `oled bench` command: every policy at
+#          100/60/40/25 % (GRID_POLICIES narrows it)
+#   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
-# STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke grid", "grid2", "core tiny").
-# If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; with
-# OFFLOAD_GRAPHS=1 and a clean smoke check they run with --offload-graphs (segmented graphs of offloaded forwards).
+# STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
+# If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
+# finds segmented graphs of offloaded forwards changing tokens, with --no-offload-graphs. GRAPHS=... overrides.
 # Results: $OUT/results-<stages>.tgz, and the tails of the logs on stdout.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/res; mkdir -p $R
-STAGES=${STAGES:-smoke grid grid2 core tiny}
+STAGES=${STAGES:-smoke grid trace core tiny}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; lscpu | grep -E "Model name|^CPU\(s\)";
   python3 -c "import torch; print('torch', torch.__version__)"; git rev-parse HEAD 2>/dev/null; } > $R/hardware.txt
@@ -24,17 +25,20 @@ if has smoke; then
   timeout ${SMOKE_S:-150} python3 benchmarks/h200_smoke.py 4 > $R/smoke.log 2>&1; rc=$?; echo "smoke rc=$rc"
   tail -30 $R/smoke.log
   [ $rc -eq 2 ] && GRAPHS=--no-cuda-graphs
-  [ $rc -eq 0 ] && [ "${OFFLOAD_GRAPHS:-0}" = 1 ] && GRAPHS=--offload-graphs
+  [ $rc -eq 3 ] && GRAPHS=--no-offload-graphs
 fi
 GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} --workload code --prompts 1 --gen-length 256
       --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS"
 if has grid; then
-  timeout ${GRID_S:-420} python3 -m oled.cli bench $GRID --policies full,lru,lfu --out $R/grid > $R/grid.log 2>&1
-  echo "grid rc=$?"; tail -3 $R/grid.log
+  start=$(date +%s)
+  timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-full,lru,lfu,prefetch,fiddler,tide} \
+    --out $R/grid > $R/grid.log 2>&1
+  echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log
 fi
-if has grid2; then
-  timeout ${GRID_S:-480} python3 -m oled.cli bench $GRID --policies ${GRID2_POLICIES:-prefetch,fiddler,tide} --out $R/grid2 \
-    > $R/grid2.log 2>&1; echo "grid2 rc=$?"; tail -3 $R/grid2.log
+if has trace; then
+  timeout ${TRACE_S:-200} python3 -m oled.cli trace --random-weights llada2-mini --workload code --prompts 1 \
+    --gen-length 256 --block-length 32 --threshold 0.95 $GRAPHS --out $R/mini.trace --json $R/mini.trace.locality.json \
+    > $R/trace.log 2>&1; echo "trace rc=$?"; tail -40 $R/trace.log
 fi
 if has core; then
   timeout ${CORE_S:-240} python3 benchmarks/core_bench.py --random-weights llada2-mini --gen-length 256 --repeats 3 \
@@ -46,5 +50,5 @@ if has tiny; then
     --out $R/tiny-grid > $R/tiny-grid.log 2>&1; echo "tiny grid rc=$?"; tail -3 $R/tiny-grid.log
   python3 -m oled.cli bench --render $R/tiny-grid >> $R/tiny-grid.log 2>&1
 fi
-for d in grid grid2; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
+for d in grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack

@@ -4,7 +4,7 @@ graphs of offloaded forwards give the tokens of the same policy run eagerly.
 
     python benchmarks/h200_smoke.py [LAYERS] [PRESET] [quick]
 Exit status: 0 all good; 2 graph replays of `full` changed tokens (run later stages with --no-cuda-graphs); 1 a policy
-failed; 3 segmented graphs of offloaded forwards changed tokens (do not use --offload-graphs).
+failed; 3 segmented graphs of offloaded forwards changed tokens (run with --no-offload-graphs).
 """
 import sys
 import time
@@ -58,7 +58,7 @@ for policy, budget in POLICIES:
         status = status or 1
         print(f"{policy} {budget} FAILED: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
-# Segmented graphs of offloaded forwards (--offload-graphs): the same tokens as the same policy run eagerly.
+# Segmented graphs of offloaded forwards (the default on CUDA): the same tokens as the same policy run eagerly.
 for policy, budget in SEGMENTED if graphs is not None else []:
     try:
         llm.engine.cfg.offload_graphs = False

@@ -19,7 +19,7 @@ class EngineConfig:
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores)
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
-    offload_graphs: bool = False          # also replay offloaded forwards, in segments between host round trips
+    offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

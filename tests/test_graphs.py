@@ -128,7 +128,7 @@ def test_failed_capture_falls_back_to_eager(llm, caplog):
 def test_engine_uses_graphs_only_on_cuda(llm):
     llm.engine.set_runtime("full", "1.0")
     assert llm.engine.graphs is None                   # CPU: nothing to capture
-    assert oled.EngineConfig().cuda_graphs is True and oled.EngineConfig().offload_graphs is False
+    assert oled.EngineConfig().cuda_graphs is True and oled.EngineConfig().offload_graphs is True
 
 
 def test_one_off_shapes_are_captured_only_when_they_come_back(llm):

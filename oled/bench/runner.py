@@ -99,7 +99,7 @@ class BenchConfig:
     cpu_threads: int | None = None
     pin_memory: bool = True
     cuda_graphs: bool = True
-    offload_graphs: bool = False
+    offload_graphs: bool = True
     # decoding and protocol
     decode: DecodeParams = field(default_factory=DecodeParams)
     prompts: int | None = None           # use at most this many prompts of each workload

@@ -30,9 +30,9 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    g.add_argument("--offload-graphs", action="store_true",
-                   help="also replay repeated offloaded forwards as CUDA graphs, in segments between the host round "
-                        "trips (experimental: not yet measured on a GPU)")
+    g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
+                   help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
+                        "host round trips)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
