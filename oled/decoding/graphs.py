@@ -1,8 +1,10 @@
 """CUDA graphs for the forwards that repeat, so that the host stops bounding the decode.
 
-Every iteration of a block after its first runs the same number of tokens at the same positions against the same
-keys. With a static expert placement (`full`) such a forward needs no host decision, so it is captured once and
-replayed: one launch instead of ~90 kernel launches per layer issued from Python. On the H200 an eager 4-layer
+A forward's shapes depend only on its token count, its key length (padded to a bucket, KVCache.key_len) and the rows
+it wants logits for: positions and the visible key end are device tensors (MoEDiffusionLM.run), so every block's
+iterations share one graph, and so do the blocks' first forwards. With a static expert placement (`full`) a forward
+needs no host decision, so it is captured once and replayed: one launch instead of ~90 kernel launches per layer
+issued from Python. On the H200 an eager 4-layer
 LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py), and graph
 replays took `full` from 8.4 to 2.7 ms per token there.
 
@@ -11,9 +13,10 @@ the forward is captured as segments that end where the manager needs the host: r
 segment (attention, router, the previous layer's combine, ...), runs the manager's offloaded path eagerly on the
 segment's outputs, writes its result into the buffer the next segment reads, and goes on.
 
-A block's steady-state iterations are captured at their first use, any other shape at its second (a block's first
-forward usually runs once, so capturing it would not pay); captured shapes are replayed from then on. A replay runs the very kernels the eager forward ran, on the same shapes, so its tokens are
-those of the eager path. The KV cache is owned here and kept across requests: a graph holds its addresses.
+Steady-state iterations (logits for every token run) are captured at their first use, any other shape at its
+second (a one-off shape would not repay its capture); captured shapes are replayed from then on. A replay runs the
+very kernels the eager forward runs, on the same shapes, so its tokens are those of the eager path. The KV cache is
+owned here and kept across requests: a graph holds its addresses.
 """
 from __future__ import annotations
 
@@ -71,14 +74,14 @@ class _CudaSegment:
 
 
 class ForwardGraphs:
-    """Runs model forwards, replaying the captured graphs of a (tokens, start, keys, rows) shape seen before.
+    """Runs model forwards, replaying the captured graphs of a (tokens, key length, rows) shape seen before.
 
     The manager's static path logs each layer's routing on the device and reads it back once per forward; a capture
     keeps the tensors it logged and hands them to the manager after every replay, so statistics are kept exactly as
     in an eager forward. The offloaded path keeps its statistics on the host as it runs, replay or not.
     """
 
-    def __init__(self, model, manager, backend=None, max_graphs: int = 4, max_seen: int = 4096,
+    def __init__(self, model, manager, backend=None, max_graphs: int = 8, max_seen: int = 4096,
                  segmented: bool = False):
         self.model, self.manager = model, manager
         self.backend = backend if backend is not None else CudaGraphBackend()
@@ -106,11 +109,11 @@ class ForwardGraphs:
     def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None):
         if not self.enabled or kv is not self.kv:
             return self.model(ids, start, kv, kv_end, rows)
-        key = (ids.shape[0], start, kv_end, None if rows is None else (rows.start, rows.stop, rows.step))
+        key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step))
         fwd = self.graphs.get(key)
         if fwd is not None:
             self.graphs.move_to_end(key)
-            fwd.ids.copy_(ids)
+            fwd.set_inputs(ids, start, kv_end)
             out = fwd.replay(self.manager)
             self.replays += 1
             return out
@@ -124,14 +127,14 @@ class ForwardGraphs:
     def _capture(self, key, ids, start, kv, kv_end, rows):
         """Capture the forward segment by segment; each segment is replayed as soon as it is captured, so this
         forward's own result comes out of the graphs (and a host step in between sees real values)."""
-        fwd = _Forward(self.backend, ids.clone())
+        fwd = _Forward(self.backend, ids, start, kv_end)
         mark = self.manager.routing_mark()
         try:
             with self.backend.capturing():
                 fwd.begin_segment()
                 if self.segmented:
                     self.manager.host_boundary = fwd.boundary(self.manager)
-                fwd.out = self.model(fwd.ids, start, kv, kv_end, rows)
+                fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows)
                 fwd.end_segment()
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
             # (host steps that already ran keep their effects: a failure past the first MoE layer of a segmented
@@ -175,15 +178,23 @@ class _HostStep:
 
 
 class _Forward:
-    """One captured forward: segments in order, each followed by the host step that ended it (None for the last)."""
+    """One captured forward: segments in order, each followed by the host step that ended it (None for the last),
+    and the static inputs they read (token ids, positions, key end), refilled before every replay."""
 
-    def __init__(self, backend, ids):
-        self.backend, self.ids = backend, ids
+    def __init__(self, backend, ids, start: int, kv_end: int):
+        self.backend, self.ids = backend, ids.clone()
+        self.positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        self.kv_end = torch.full((), kv_end, device=ids.device)
         self.segments: list = []
         self.steps: list[_HostStep | None] = []
         self.out = None
         self.routing: list = []
         self._open = None
+
+    def set_inputs(self, ids, start: int, kv_end: int) -> None:
+        self.ids.copy_(ids)
+        torch.arange(start, start + ids.shape[0], out=self.positions)
+        self.kv_end.fill_(kv_end)
 
     def begin_segment(self) -> None:
         seg = self.backend.new_graph(share_with=self.segments[0] if self.segments else None)

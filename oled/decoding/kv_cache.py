@@ -12,12 +12,23 @@ import torch
 from ..models.config import ModelConfig
 
 
+KEY_BUCKET = 256   # forwards attend over keys padded to a multiple of this (masked): few shapes, little waste
+
+
 class KVCache:
+    """Per layer K and V [kv_heads, max_len, head_dim]. Zero-initialised: padded keys are masked, and masked keys
+    must still be finite (0 * NaN would leak into the attention output)."""
+
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device):
-        self.max_len = max_len
-        shape = (config.num_kv_heads, max_len, config.head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.max_len = -(-max_len // KEY_BUCKET) * KEY_BUCKET
+        shape = (config.num_kv_heads, self.max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    def key_len(self, kv_end: int) -> int:
+        """Keys a forward attending [0, kv_end) runs over: kv_end rounded up to the bucket, the same for every
+        request (so eager and replayed forwards, whatever the cache's size, run the same shapes)."""
+        return -(-kv_end // KEY_BUCKET) * KEY_BUCKET
 
 
 class CacheMode:

@@ -25,11 +25,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int, kv_end: int, mask):
-        """x [T, H] for positions start..start+T; k_cache/v_cache [kv_heads, max_len, head_dim] of this layer.
+    def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, mask):
+        """x [T, H] at `positions` (a device tensor [T]); k_cache/v_cache [kv_heads, max_len, head_dim] of this layer.
 
-        Writes this chunk's K/V at [start, start+T) and attends over cache[:kv_end] (which must include them).
-        mask: None (every key visible) or a boolean [T, kv_end] mask.
+        Writes this chunk's K/V at its positions and attends over cache[:key_len] under `mask` (boolean, [T, key_len]
+        or [1, key_len]), which hides the padding past the chunk's last visible key: nothing here depends on where
+        the chunk sits, so a CUDA graph of it serves every chunk of the same shape.
         """
         T = x.shape[0]
         if hasattr(self, "qkv"):
@@ -42,9 +43,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[:, start:start + T] = k.transpose(0, 1)
-        v_cache[:, start:start + T] = v.transpose(0, 1)
+        k_cache.index_copy_(1, positions, k.transpose(0, 1))
+        v_cache.index_copy_(1, positions, v.transpose(0, 1))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[:, :kv_end].unsqueeze(0), v_cache[:, :kv_end].unsqueeze(0),
+            q.transpose(0, 1).unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
             attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(T, self.q_dim))

@@ -19,9 +19,9 @@ class DecoderLayer(nn.Module):
         self.mlp = (SwiGLU(config.hidden_size, config.dense_intermediate_size)
                     if layer_idx < config.num_dense_layers else MoEBlock(config, layer_idx))
 
-    def forward(self, h, cos, sin, k_cache, v_cache, start, kv_end, mask, timer):
+    def forward(self, h, cos, sin, k_cache, v_cache, positions, key_len, mask, timer):
         with timer("attention"):
-            h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, start, kv_end, mask)
+            h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, positions, key_len, mask)
         with timer("moe" if isinstance(self.mlp, MoEBlock) else "dense_mlp"):
             h = h + self.mlp(self.mlp_norm(h))
         return h
@@ -53,29 +53,37 @@ class MoEDiffusionLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
-    def attention_mask(self, start: int, length: int, kv_end: int, device) -> torch.Tensor | None:
-        """None when every key in [0, kv_end) is visible to every query (no mask: fastest attention kernels)."""
-        if not self.config.block_causal:
-            return None
-        block = self.config.block_length
-        if (kv_end - 1) // block <= start // block:
-            return None
-        q_pos = torch.arange(start, start + length, device=device)
-        return block_causal_mask(q_pos, torch.arange(kv_end, device=device), block)
+    def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Boolean mask over keys [0, key_len): key j is visible to the query at position p iff j < kv_end and, for
+        block-causal models, block(j) <= block(p). Built on the device from device tensors, so it is part of a
+        replayed graph rather than baked into it."""
+        keys = torch.arange(key_len, device=positions.device)
+        mask = (keys < kv_end)[None, :]
+        if self.config.block_causal:
+            mask = mask & block_causal_mask(positions, keys, self.config.block_length)
+        return mask
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, kv_cache, kv_end: int | None = None,
                 logits_rows: slice | None = None, timer=NO_TIMER) -> torch.Tensor | None:
         """Run tokens at positions [start, start+T) against the cache (keys [0, kv_end)); returns fp32 logits of the
         chunk's rows `logits_rows` (None when logits_rows is None: the forward only fills the cache)."""
-        T = input_ids.shape[0]
+        T, device = input_ids.shape[0], input_ids.device
         kv_end = start + T if kv_end is None else kv_end
-        positions = torch.arange(start, start + T, device=input_ids.device)
+        positions = torch.arange(start, start + T, device=device)
+        return self.run(input_ids, positions, torch.full((), kv_end, device=device), kv_cache,
+                        kv_cache.key_len(kv_end), logits_rows, timer)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_end: torch.Tensor, kv_cache, key_len: int,
+            logits_rows: slice | None = None, timer=NO_TIMER) -> torch.Tensor | None:
+        """`forward` with the chunk's positions [T] and key end (0-d) as device tensors: the same kernels on the same
+        shapes wherever the chunk sits, so one CUDA graph serves every chunk of a (length, key length, rows)."""
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
-        mask = self.attention_mask(start, T, kv_end, input_ids.device)
+        mask = self.attention_mask(positions, kv_end, key_len)
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], start, kv_end, mask, timer)
+            h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, mask, timer)
         if logits_rows is None:
             return None
         with timer("lm_head"):
