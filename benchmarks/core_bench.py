@@ -129,6 +129,7 @@ def main(argv=None):
         costs = measure(engine.store, kernel, engine.device)
         out["cost_model"] = {"kernel": kernel.name, "threads": kernel.num_threads, "h2d_gbps": costs.h2d_gbps,
                              "cpu_us_per_expert": {t: v * 1e6 for t, v in costs.cpu_seconds.items()},
+                             "cpu_us_per_call": costs.cpu_call_seconds * 1e6,
                              "cpu_slowdown_with_copies": costs.cpu_slowdown_with_copies}
     print(json.dumps(out, indent=2))
     if args.out:

@@ -15,6 +15,7 @@ from .loader import build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict
 from .policies import make_policy
 from .runtime.budget import parse_budget
+from .runtime.cost_model import CostModel, load_or_measure
 from .runtime.manager import ExpertManager
 from .runtime.timer import SectionTimer
 from .synth import build_tokenizer, preset_config, random_tensors
@@ -72,6 +73,7 @@ class Engine:
         self.manager: ExpertManager | None = None
         self.graphs: ForwardGraphs | None = None
         self._cpu_kernel = None
+        self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
         self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity)
 
     def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
@@ -101,7 +103,11 @@ class Engine:
                 from .runtime.cpu_kernel import CpuExpertKernel
                 self._cpu_kernel = CpuExpertKernel(num_threads=self.cfg.cpu_threads or default_cpu_threads(self.device))
             cpu_kernel = self._cpu_kernel
-        self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer)
+            if self.costs is None:
+                self.costs = load_or_measure(self.store, cpu_kernel, self.device)
+                log.info("miss service: %s", self.costs.describe())
+        self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
+                                     costs=self.costs if cpu_kernel is not None else None)
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.policy.static_full
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
@@ -134,4 +140,5 @@ class Engine:
                 f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
                 f"policy {self.policy.name}; {self.budget.describe()}; non-expert weights "
                 f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
-                f"{' pinned' if self.store.pinned else ''}")
+                f"{' pinned' if self.store.pinned else ''}"
+                + (f"; miss service: {self.manager.costs.describe()}" if self.manager.costs is not None else ""))

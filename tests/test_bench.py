@@ -11,7 +11,7 @@ from oled.decoding.params import DecodeParams
 
 TOP_LEVEL = ("schema", "run_id", "mode", "status", "label", "timestamp", "workload", "policy", "policy_label",
              "policy_options", "budget", "budget_fraction", "slots_per_layer", "budget_bytes", "model", "engine",
-             "decode", "bench", "env", "metrics", "sections_per_iteration_ms", "stats_totals", "prompts")
+             "decode", "bench", "env", "metrics", "sections_per_iteration_ms", "stats_totals", "prompts", "cost_model")
 AGGREGATE = ("median", "min", "max", "spread", "values")
 
 
@@ -232,3 +232,15 @@ def test_set_runtime_sweeps_without_reloading(tmp_path):
         assert all(b.experts is engine.manager for b in model.moe_blocks())
         assert engine.policy.name == policy
         assert engine.generate_ids(ids, params).token_ids == ref
+
+
+def test_cpu_policy_lines_carry_the_cost_model_and_its_error(tmp_path):
+    rows = run_bench(_cfg(tmp_path, policies=["lru", "tide"], budgets=["0.25"], prompts=1, profile=False,
+                          cpu_threads=1))
+    (row,) = [r for r in rows if r["policy"] == "tide"]
+    cost = row["cost_model"]
+    assert cost["source"].startswith("measured") and set(cost["cpu_seconds"]) == {"1", "2", "4", "8", "16", "32"}
+    m = {k: v["median"] for k, v in row["metrics"].items()}
+    assert m["cpu_pairs_per_iteration"] > 0 and m["cpu_ms_per_iteration"] > 0 and m["cpu_cost_model_ratio"] > 0
+    lru = next(r for r in rows if r["policy"] == "lru")
+    assert lru["cost_model"] is None and lru["metrics"]["cpu_cost_model_ratio"]["median"] is None

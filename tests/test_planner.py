@@ -12,10 +12,11 @@ from oled.runtime.cost_model import CostModel, load_or_measure
 from oled.runtime.planner import plan_cost, split_misses
 
 
-def _model(h2d=50.0, slowdown=1.2, gpu=5e-6):
+def _model(h2d=50.0, slowdown=1.2, gpu=5e-6, call=0.0):
     # per-expert CPU times shaped like the H200 host's measurements (memory-bound, slowly rising with tokens)
     return CostModel(expert_bytes=6 * 2**20, h2d_gbps=h2d, cpu_seconds={1: 65e-6, 4: 75e-6, 8: 70e-6, 32: 90e-6},
-                     cpu_slowdown_with_copies=slowdown, gpu_seconds_per_expert=gpu, source="test")
+                     cpu_call_seconds=call, cpu_slowdown_with_copies=slowdown, gpu_seconds_per_expert=gpu,
+                     source="test")
 
 
 def _brute(tokens, hits, cost, credit, max_loads=None):
@@ -36,6 +37,16 @@ def test_interpolation():
     assert m.cpu_expert_seconds(1) == 65e-6 and m.cpu_expert_seconds(2) == pytest.approx(65e-6 + (75e-6 - 65e-6) / 3)
     assert m.cpu_expert_seconds(64) == pytest.approx(90e-6 * 2)
     assert m.load_seconds(10) == pytest.approx(10 * 6 * 2**20 / 50e9)
+    called = _model(call=30e-6)
+    assert called.cpu_jobs_seconds([]) == 0.0
+    assert called.cpu_jobs_seconds([1, 4]) == pytest.approx(30e-6 + 65e-6 + 75e-6)
+
+
+def test_a_costly_call_keeps_a_few_cheap_misses_off_the_cpu():
+    tokens = {1: 1, 2: 1}
+    cheap_call, costly_call = _model(h2d=25.0), _model(h2d=25.0, call=1e-3)
+    assert split_misses(tokens, 0, cheap_call)[1], "without a call cost the CPU takes some of them"
+    assert split_misses(tokens, 0, costly_call) == ([1, 2], [])
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -43,7 +54,8 @@ def test_planner_matches_brute_force_without_credit(seed):
     rng = random.Random(seed)
     n = rng.randint(0, 9)
     tokens = {e: rng.choice([1, 1, 2, 3, 4, 8, 16, 32]) for e in rng.sample(range(64), n)}
-    cost = _model(h2d=rng.choice([10.0, 50.0, 200.0]), slowdown=rng.choice([1.0, 1.3]))
+    cost = _model(h2d=rng.choice([10.0, 50.0, 200.0]), slowdown=rng.choice([1.0, 1.3]),
+                  call=rng.choice([0.0, 20e-6, 400e-6]))
     hits = rng.randint(0, 20)
     cap = rng.choice([None, 2])
     load, cpu = split_misses(tokens, hits, cost, max_loads=cap)
@@ -83,6 +95,27 @@ def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):
     m = load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path)
     assert m.h2d_gbps > 0 and set(m.cpu_seconds) == {1, 2, 4, 8, 16, 32}
     assert all(v > 0 for v in m.cpu_seconds.values()) and m.expert_bytes == eng.store.expert_bytes
+    assert 0 <= m.cpu_call_seconds < 0.01
     cached = list(tmp_path.glob("*.json"))
     assert len(cached) == 1
     assert load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path) == m   # read back, not re-measured
+
+
+def test_cpu_policies_run_with_the_measured_cost_model_and_report_its_error():
+    """A policy that computes on the CPU gets the engine's measured cost model; every CPU job's predicted time is
+    recorded beside its measured time, so a run shows how well the model the planner relies on holds."""
+    llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="tide", expert_budget="0.25",
+                   cpu_threads=1)
+    eng = llm.engine
+    assert eng.manager.costs is eng.costs and eng.costs.source.startswith("measured")
+    llm.generate("hello world", gen_length=32)
+    s = llm.stats()
+    assert s["cpu_pairs_per_iteration"] > 0 and s["cpu_ms_per_iteration"] > 0
+    assert s["cpu_cost_model_ratio"] > 0
+    rows = [r for r in eng.manager.stats.records if r.pairs_cpu]
+    assert rows and all(r.cpu_s > 0 and r.cpu_s_model > 0 for r in rows)
+    assert all(r.cpu_s == 0 and r.cpu_s_model == 0 for r in eng.manager.stats.records if not r.pairs_cpu)
+    eng.set_runtime("lru", "0.25")                      # no CPU: no cost model in the manager, nothing to report
+    assert eng.manager.costs is None
+    llm.generate("hello world", gen_length=32)
+    assert llm.stats()["cpu_cost_model_ratio"] is None and llm.stats()["cpu_ms_per_iteration"] == 0

@@ -23,6 +23,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                              "experts copied to the GPU (demand loads + prefetches)"),
     "h2d_gb_per_iteration": ("H2D GB/iter", "GB", "bytes of experts copied host-to-device per denoising iteration"),
     "cpu_pairs_per_iteration": ("CPU pairs/iter", "", "token-expert pairs computed on the CPU per iteration"),
+    "cpu_ms_per_iteration": ("CPU ms/iter", "ms", "wall time of the CPU expert jobs per denoising iteration"),
+    "cpu_cost_model_ratio": ("CPU cost model / measured", "", "the CPU jobs' time as the runtime's cost model "
+                                                              "predicts it (calibrated at start-up per tokens per "
+                                                              "expert, slowed while copies run) / their measured "
+                                                              "time"),
     "loads_per_iteration": ("loads/iter", "", "experts copied to the GPU on demand per iteration (all layers)"),
     "prefetches_per_iteration": ("prefetches/iter", "", "speculative expert copies per iteration (all layers)"),
     "unique_experts_per_layer_iteration": ("unique experts/layer/iter", "", "distinct experts a layer needs in one "
@@ -88,6 +93,8 @@ def stats_metrics(summary: dict) -> dict:
                                    if tot.get("loads", 0) + tot.get("prefetches", 0) else None),
         "h2d_gb_per_iteration": summary.get("h2d_gb_per_iteration"),
         "cpu_pairs_per_iteration": summary.get("cpu_pairs_per_iteration"),
+        "cpu_ms_per_iteration": summary.get("cpu_ms_per_iteration"),
+        "cpu_cost_model_ratio": summary.get("cpu_cost_model_ratio"),
         "loads_per_iteration": summary.get("loads_per_iteration"),
         "prefetches_per_iteration": tot.get("prefetches", 0) / forwards if tot else None,
         "unique_experts_per_layer_iteration": summary.get("unique_experts_per_layer_iteration"),

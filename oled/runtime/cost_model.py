@@ -18,11 +18,15 @@ from pathlib import Path
 import torch
 
 
+COST_MODEL_VERSION = 2   # part of the cache key: a model measured by older code is measured again
+
+
 @dataclass
 class CostModel:
     expert_bytes: int
     h2d_gbps: float                       # expert blob copies into cache slots, GB/s
     cpu_seconds: dict[int, float]         # tokens per expert -> seconds per expert (CPU kernel, cold weights)
+    cpu_call_seconds: float = 0.0         # fixed time of one kernel call (waking and joining its threads)
     cpu_slowdown_with_copies: float = 1.0  # CPU time factor while H2D copies run concurrently
     gpu_seconds_per_expert: float = 0.0   # grouped GPU compute per resident expert (small; read from HBM)
     source: str = "measured"
@@ -41,6 +45,17 @@ class CostModel:
         lo, hi = keys[i - 1], keys[i]
         f = (tokens - lo) / (hi - lo)
         return self.cpu_seconds[lo] * (1 - f) + self.cpu_seconds[hi] * f
+
+    def cpu_jobs_seconds(self, tokens) -> float:
+        """One kernel call over experts with these token counts (0 for none)."""
+        tokens = list(tokens)
+        return self.cpu_call_seconds + sum(map(self.cpu_expert_seconds, tokens)) if tokens else 0.0
+
+    def describe(self) -> str:
+        cpu = ", ".join(f"{self.cpu_seconds[t] * 1e6:.0f}" for t in sorted(self.cpu_seconds))
+        return (f"load {self.load_seconds(1) * 1e6:.0f} µs/expert ({self.h2d_gbps:.1f} GB/s); CPU {cpu} µs/expert at "
+                f"{'/'.join(map(str, sorted(self.cpu_seconds)))} tokens + {self.cpu_call_seconds * 1e6:.0f} µs per "
+                f"call, x{self.cpu_slowdown_with_copies:.2f} while copying ({self.source})")
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -74,11 +89,15 @@ def _time_copies(store, device, n: int) -> float:
 
 
 def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostModel:
-    from .cpu_kernel import calibrate
+    from .cpu_kernel import calibrate, call_overhead
 
     n = 16
     h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
-    cpu = calibrate(kernel, store.hidden, store.intermediate, token_counts, dtype=store.dtype)
+    jobs = 8                                 # calibrate() times calls of 8 experts: take the call's share out
+    call = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs)
+    cpu = {t: max(s - call / jobs, 0.1 * s)
+           for t, s in calibrate(kernel, store.hidden, store.intermediate, token_counts, dtype=store.dtype,
+                                 jobs_per_call=jobs).items()}
     slowdown = 1.0
     if torch.device(device).type == "cuda":   # CPU kernel while copies stream: both read host DRAM
         import threading
@@ -95,13 +114,13 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
         stop.set()
         t.join()
         slowdown = max(1.0, busy[4] / cpu[4])
-    return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu,
+    return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu, cpu_call_seconds=call,
                      cpu_slowdown_with_copies=slowdown, source=f"measured {time.strftime('%Y-%m-%d')}")
 
 
 def cache_key(store, kernel, device) -> str:
     dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
-    text = "|".join(map(str, (platform.processor(), platform.machine(), os.cpu_count(), kernel.name,
+    text = "|".join(map(str, (COST_MODEL_VERSION, platform.processor(), platform.machine(), os.cpu_count(), kernel.name,
                               kernel.num_threads, store.hidden, store.intermediate, store.dtype, store.pinned, dev)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -365,6 +365,27 @@ def make_cold_blobs(hidden: int, intermediate: int, n: int, dtype=torch.bfloat16
     return buf, [buf[i] for i in range(n)]
 
 
+def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype=torch.bfloat16, jobs: int = 8,
+                  repeats: int = 15) -> float:
+    """Fixed seconds per kernel call (thread wake-up and join), from one-token calls over 1 and over `jobs` experts:
+    t(n) = call + n * expert, so call = t(1) - (t(jobs) - t(1)) / (jobs - 1). Warm weights: the difference takes
+    the per-expert time out whatever it is."""
+    _buf, blobs = make_cold_blobs(hidden, intermediate, jobs, dtype)
+    x = torch.randn(jobs, hidden).to(dtype)
+    out = torch.empty(jobs, hidden, dtype=torch.float32)
+    median = {}
+    for n in (1, jobs):
+        tok, offs = torch.arange(n, dtype=torch.int64), torch.arange(n + 1, dtype=torch.int64)
+        times = []
+        for rep in range(repeats + 1):   # the first call warms up code, scratch and weights
+            t0 = time.perf_counter()
+            kernel.run(x[:n], tok, offs, blobs[:n], intermediate, out[:n])
+            if rep:
+                times.append(time.perf_counter() - t0)
+        median[n] = sorted(times)[len(times) // 2]
+    return max(median[1] - (median[jobs] - median[1]) / (jobs - 1), 0.0)
+
+
 def calibrate(kernel: CpuExpertKernel, hidden: int, intermediate: int, token_counts=(1, 2, 4, 8, 16, 32),
               dtype=torch.bfloat16, n_experts: int = 64, repeats: int = 5, jobs_per_call: int = 8) -> dict[int, float]:
     """Median seconds per expert for each token count, with cold weights, for the runtime's cost model.

@@ -16,6 +16,7 @@ import torch
 
 from ..policies.base import IterationEvent, Policy
 from .budget import ExpertBudget
+from .cost_model import CostModel
 from .expert_cache import ExpertCache
 from .grouped import grouped_swiglu
 from .residency import Residency
@@ -26,7 +27,7 @@ from .timer import SectionTimer
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
-                 timer: SectionTimer | None = None):
+                 timer: SectionTimer | None = None, costs: CostModel | None = None):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -41,6 +42,8 @@ class ExpertManager:
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
         self.predictors: dict[int, object] = {}                # layer -> router of that layer (for prefetch)
         self.cpu_kernel = cpu_kernel
+        self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
+                                  # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
@@ -139,7 +142,9 @@ class ExpertManager:
             both = torch.cat([ids.reshape(-1), ids_next.reshape(-1).to(ids.dtype)]).cpu().numpy()
             flat, predicted = both[: T * k], both[T * k:]
         step = self.residency.begin_layer(layer, flat)
-        cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu) if step.plan.cpu else None
+        cpu_job = None
+        if step.plan.cpu:
+            cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu, copying=bool(step.plan.load))
 
         # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
         for wave in self.residency.waves(step):
@@ -165,11 +170,11 @@ class ExpertManager:
             self._copy(nxt, wanted, slots)
         self.residency.end_layer(step)
         if cpu_job is not None:
-            self._finish_cpu(cpu_job, y_pairs)
+            self._finish_cpu(cpu_job, y_pairs, step.rec)
         return self._combine(y_pairs, weights, T, k, x.dtype)
 
     # --------------------------------------------------------------------------------------------------- CPU
-    def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int]):
+    def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
         sel = np.isin(flat, cpu_experts)
         pair_idx = np.nonzero(sel)[0]
         pair_exp = flat[pair_idx]
@@ -179,6 +184,10 @@ class ExpertManager:
         token_idx = torch.from_numpy(pair_idx // k)
         job_experts, starts = np.unique(pair_exp, return_index=True)
         offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
+        predicted = 0.0
+        if self.costs is not None:
+            predicted = self.costs.cpu_jobs_seconds(int(n) for n in np.diff(offsets.numpy()))
+            predicted *= self.costs.cpu_slowdown_with_copies if copying else 1.0
         blobs = [self.store.blob(layer, int(e)) for e in job_experts]
         x_host = self._staging("x", x.shape, self.store.dtype)
         x_host.copy_(x)                                             # waits for x, the layer's input
@@ -189,7 +198,7 @@ class ExpertManager:
             self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
             return time.perf_counter() - t0
 
-        return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out
+        return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out, predicted
 
     def _staging(self, name: str, shape, dtype) -> torch.Tensor:
         """Reused host buffers for activations crossing PCIe (pinned on CUDA: no pageable copy in the hot path)."""
@@ -200,10 +209,11 @@ class ExpertManager:
             self._buffers[name] = buf
         return buf[:numel].view(*shape)
 
-    def _finish_cpu(self, job, y_pairs) -> None:
-        future, pair_idx, out = job
+    def _finish_cpu(self, job, y_pairs, rec) -> None:
+        future, pair_idx, out, predicted = job
         with self._section("cpu_experts"):
-            self.stats.cpu_seconds += future.result()
+            rec.cpu_s += future.result()
+        rec.cpu_s_model += predicted
         y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
 
     # ------------------------------------------------------------------------------------------ loop events

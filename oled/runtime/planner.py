@@ -3,6 +3,8 @@ the CPU, minimising the layer's makespan minus a credit for loads that save futu
 
     cost(L) = max(load(|L|) + gpu(hits + |L|),  cpu(misses - L) * slowdown_if_copying)  -  sum(credit[e] for e in L)
 
+where cpu(S) is one kernel call over S: a fixed call time plus each expert's time for its tokens (0 for no expert).
+
 Copies cost the same for every expert, so for a fixed number of loads the best set takes the experts that are
 most expensive on the CPU (with no credit this is exact); with credits the planner also tries the orders by credit
 and by CPU time + credit and keeps the best split. Plain Python: the inputs are host numbers.
@@ -16,7 +18,7 @@ def plan_cost(load: list[int], cpu: list[int], tokens: dict[int, int], hits: int
               credit: dict[int, float] | None = None) -> float:
     credit = credit or {}
     gpu_side = cost.load_seconds(len(load)) + cost.gpu_seconds_per_expert * (hits + len(load))
-    cpu_side = sum(cost.cpu_expert_seconds(tokens[e]) for e in cpu)
+    cpu_side = cost.cpu_jobs_seconds(tokens[e] for e in cpu)
     if load and cpu:
         cpu_side *= cost.cpu_slowdown_with_copies
     return max(gpu_side, cpu_side) - sum(credit.get(e, 0.0) for e in load)
@@ -43,7 +45,8 @@ def split_misses(tokens: dict[int, int], hits: int, cost: CostModel, credit: dic
                 removed += cpu_time[order[k - 1]]
                 gained += credit.get(order[k - 1], 0.0)
             gpu_side = cost.load_seconds(k) + cost.gpu_seconds_per_expert * (hits + k)
-            cpu_side = (total_cpu - removed) * (cost.cpu_slowdown_with_copies if 0 < k < len(misses) else 1.0)
+            cpu_side = (total_cpu - removed + (cost.cpu_call_seconds if k < len(misses) else 0.0)) * (
+                cost.cpu_slowdown_with_copies if 0 < k < len(misses) else 1.0)
             c = max(gpu_side, cpu_side) - gained
             if c < best[0] - 1e-15:
                 best = (c, order[:k], order[k:])

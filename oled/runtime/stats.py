@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+TIMINGS = ("cpu_s", "cpu_s_model")   # per-record wall times: differ between runs, absent from a trace replay
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
             "bytes_h2d", "resident", "resident_used")
 
@@ -26,6 +27,8 @@ class LayerRecord:
     bytes_h2d: int = 0
     resident: int = 0         # resident experts of this layer after its loads
     resident_used: int = 0    # of those, used by at least one token in this forward
+    cpu_s: float = 0.0        # wall time of this layer's CPU expert jobs, measured
+    cpu_s_model: float = 0.0  # the same jobs' time as the runtime's cost model predicted it (0: no cost model)
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
 
@@ -34,7 +37,6 @@ class RunStats:
         self.records: list[LayerRecord] = []
         self.forward = -1
         self.kind = "iteration"
-        self.cpu_seconds = 0.0
 
     def begin_forward(self, kind: str) -> None:
         self.forward += 1
@@ -64,6 +66,7 @@ class RunStats:
         forwards = len({r.forward for r in rows})
         n_layers = len({r.layer for r in rows})
         util = [r.resident_used / r.resident for r in rows if r.resident]
+        cpu_s, cpu_s_model = sum(r.cpu_s for r in rows), sum(r.cpu_s_model for r in rows)
         return {
             "forwards": forwards,
             "hit_rate_tokens": tot["pairs_hit"] / max(tot["pairs"], 1),
@@ -74,6 +77,8 @@ class RunStats:
             "cpu_pairs_per_iteration": tot["pairs_cpu"] / forwards,
             "loads_per_iteration": tot["loads"] / forwards,
             "unique_experts_per_layer_iteration": tot["experts"] / (forwards * n_layers),
+            "cpu_ms_per_iteration": cpu_s * 1e3 / forwards,
+            "cpu_cost_model_ratio": cpu_s_model / cpu_s if cpu_s > 0 and cpu_s_model > 0 else None,
             "totals": tot,
         }
 
