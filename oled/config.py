@@ -16,7 +16,7 @@ class EngineConfig:
     policy: str = "lru"
     tide_tau: int | None = None           # tide: refresh period in iterations
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
-    cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores)
+    cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus one)
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips

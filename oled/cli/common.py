@@ -26,7 +26,7 @@ def add_execution_args(g) -> None:
     g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
+    g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores minus one)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
