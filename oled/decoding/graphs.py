@@ -4,9 +4,9 @@ A forward's shapes depend only on its token count, its key length (padded to a b
 it wants logits for: positions and the visible key end are device tensors (MoEDiffusionLM.run), so every block's
 iterations share one graph, and so do the blocks' first forwards. With a static expert placement (`full`) a forward
 needs no host decision, so it is captured once and replayed: one launch instead of ~90 kernel launches per layer
-issued from Python. On the H200 an eager 4-layer
-LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py), and graph
-replays took `full` from 8.4 to 2.7 ms per token there.
+issued from Python. On the H200 an eager 4-layer LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of
+GPU work (benchmarks/profile_forward.py); replays took `full` there from 7.2 to 1.65 ms per token, and on the
+20-layer model from 14.6 (graphs per block position) to 9.3 ms per iteration (BENCHMARKS.md section 6).
 
 An offloaded forward needs the host once per MoE layer (the routing decides copies and CPU jobs). With `segmented`
 the forward is captured as segments that end where the manager needs the host: replaying a forward replays a
@@ -161,7 +161,8 @@ def _steady(rows: slice | None) -> bool:
     """A forward that wants the logits of every token it runs from the first is a block's steady-state iteration,
     which repeats until the block is done: captured at its first use. Forwards that also run tokens they need no
     logits for (a finished block's K/V written with the next block's first iteration, a refresh of the whole
-    canvas) happen once per block: captured only if their shape comes back."""
+    canvas) happen once per block: captured when their shape comes back (usually the next block), so a one-off
+    shape (a prompt's prefill) does not pay for a capture."""
     return rows is not None and (rows.start or 0) == 0
 
 
