@@ -110,18 +110,20 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
 
         t = threading.Thread(target=copies, daemon=True)
         t.start()
-        busy = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3)
+        busy = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3,
+                         jobs_per_call=jobs)
         stop.set()
         t.join()
-        slowdown = max(1.0, busy[4] / cpu[4])
+        slowdown = max(1.0, busy[4] / (cpu[4] + call / jobs))    # both with the call's share
     return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu, cpu_call_seconds=call,
                      cpu_slowdown_with_copies=slowdown, source=f"measured {time.strftime('%Y-%m-%d')}")
 
 
 def cache_key(store, kernel, device) -> str:
     dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
-    text = "|".join(map(str, (COST_MODEL_VERSION, platform.processor(), platform.machine(), os.cpu_count(), kernel.name,
-                              kernel.num_threads, store.hidden, store.intermediate, store.dtype, store.pinned, dev)))
+    text = "|".join(map(str, (COST_MODEL_VERSION, platform.processor(), platform.machine(), os.cpu_count(),
+                              kernel.name, kernel.num_threads, store.hidden, store.intermediate, store.dtype,
+                              store.pinned, dev)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
