@@ -76,12 +76,14 @@ def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
     assert stats == eager_stats                         # hits, misses, copies, CPU pairs: the same decisions
     moe_layers = len(llm.engine.config.moe_layers)
     assert graphs.replays > 0
-    assert graphs.backend.segments == graphs.captures * (moe_layers + 1)   # one host step per MoE layer
+    assert graphs.backend.segments == graphs.captures * (2 * moe_layers + 1)   # two host steps per MoE layer
 
 
-def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch):
-    """The emulator's replays run only recorded tensor operations: if the host step's result did not reach the
-    buffer the next segment reads, replayed logits would differ from eager ones."""
+@pytest.mark.parametrize("skipped", ["decide", "finish"])
+def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch, skipped):
+    """The emulator's replays run only recorded tensor operations: if a host step's result did not reach the
+    buffer the next segment reads, replayed logits would differ from eager ones. (At 4 slots per layer a layer's
+    experts take several waves, so the finish step has rows to write.)"""
     llm.engine.set_runtime("lru", "0.25")
     eng = llm.engine
     graphs = _graphs(llm)
@@ -93,12 +95,14 @@ def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch):
     captured = graphs(ids, 0, kv, 32, rows).clone()      # captured and replayed
     assert torch.equal(captured, eager)
     torch.testing.assert_close(graphs(ids, 0, kv, 32, rows), eager, rtol=0, atol=0)
-    other = torch.from_numpy(np.array([eng.config.mask_token_id] * 32))
+    other = ids.flip(0)                                  # other routing, more experts per layer than slots
     other_eager = eng.model(other, 0, kv, 32, rows).clone()
     assert torch.equal(graphs(other, 0, kv, 32, rows), other_eager)
     graphs(ids, 0, kv, 32, rows)
-    monkeypatch.setattr(graphs_mod._HostStep, "run", lambda self, manager: None)
-    # the buffers the segments read still hold the routed outputs computed for `ids`
+    monkeypatch.setattr(graphs_mod._Finish, "run", lambda self, manager: None)
+    if skipped == "decide":
+        monkeypatch.setattr(graphs_mod._Decide, "run", lambda self, manager: None)
+    # the buffers the segments read still hold the slots or rows computed for `ids`
     assert not torch.allclose(graphs(other, 0, kv, 32, rows), other_eager)
 
 

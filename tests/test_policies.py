@@ -407,6 +407,18 @@ def test_fiddler_placement_and_plan():
         FiddlerPolicy(popularity={1: {99: 1}, 2: {0: 1}}).setup(ctx())
 
 
+def test_fiddler_through_the_manager_with_no_resident_expert_needed():
+    """Every expert a layer needs is on the CPU: the first wave's grouped compute has no pair to serve (it still runs:
+    its shapes are fixed for graphs) and the CPU results fill every row."""
+    llm = tiny("fiddler", "0.1875", popularity={1: {0: 5, 1: 4, 2: 3}, 2: {0: 1}}, cpu_threads=1)
+    m = llm.engine.manager
+    assert resident(m, 1) == {0, 1, 2}
+    rec = scripted_run(m, 1, [[5, 6], [6, 9]])
+    assert (rec.experts_hit, rec.experts_cpu, rec.pairs_cpu, rec.loads) == (0, 3, 4, 0)
+    rec = scripted_run(m, 1, [[0, 6], [9, 1]])                       # half on the GPU, half on the CPU
+    assert (rec.experts_hit, rec.experts_cpu) == (2, 2)
+
+
 def test_calibrate_then_fiddler(tmp_path, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("the quick brown fox\n\nsome more text\n")

@@ -8,10 +8,12 @@ issued from Python. On the H200 an eager 4-layer LLaDA2.0-mini forward takes 10.
 GPU work (benchmarks/profile_forward.py); replays took `full` there from 7.2 to 1.65 ms per token, and on the
 20-layer model from 14.6 (graphs per block position) to 9.3 ms per iteration (BENCHMARKS.md section 6).
 
-An offloaded forward needs the host once per MoE layer (the routing decides copies and CPU jobs). With `segmented`
-the forward is captured as segments that end where the manager needs the host: replaying a forward replays a
-segment (attention, router, the previous layer's combine, ...), runs the manager's offloaded path eagerly on the
-segment's outputs, writes its result into the buffer the next segment reads, and goes on.
+An offloaded forward needs the host twice per MoE layer: to decide (the routing picks copies and CPU jobs) and to
+finish (further waves, prefetches, CPU results). With `segmented` the forward is captured as segments that end
+where the manager needs the host: a replay runs a segment (attention, router, ...), the manager's decisions
+eagerly, which write the first wave's slot per pair into a buffer the next segment reads, that segment (the
+layer's grouped expert compute), the manager's finish eagerly, which writes its rows into the segment's output,
+and the next segment (the combine, the next attention, ...), and so on.
 
 Steady-state iterations (logits for every token run) are captured at their first use, any other shape at its
 second (a one-off shape would not repay its capture); captured shapes are replayed from then on. A replay runs the
@@ -166,16 +168,29 @@ def _steady(rows: slice | None) -> bool:
     return rows is not None and (rows.start or 0) == 0
 
 
-class _HostStep:
-    """The manager's offloaded path between two segments: its inputs are the earlier segment's outputs, its result
-    goes into `out`, which the next segment reads."""
-    __slots__ = ("layer", "x", "ids", "weights", "out")
+class _Decide:
+    """Host step one of an offloaded layer: the manager's decisions on the segment's outputs (x, routing); the first
+    wave's slot per pair goes into `pair_slots`, which the next segment reads."""
+    __slots__ = ("layer", "x", "ids", "pair_slots", "work")
 
-    def __init__(self, layer, x, ids, weights, out):
-        self.layer, self.x, self.ids, self.weights, self.out = layer, x, ids, weights, out
+    def __init__(self, layer, x, ids):
+        self.layer, self.x, self.ids, self.work = layer, x, ids, None
+        self.pair_slots = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
 
     def run(self, manager) -> None:
-        self.out.copy_(manager.run_offloaded(self.layer, self.x, self.ids, self.weights))
+        self.work = manager.begin_offloaded(self.layer, self.x, self.ids, slots_out=self.pair_slots)
+
+
+class _Finish:
+    """Host step two: the manager's finish of the layer, writing into the first wave's output rows."""
+    __slots__ = ("decide", "y_pairs")
+
+    def __init__(self, decide: _Decide, y_pairs):
+        self.decide, self.y_pairs = decide, y_pairs
+
+    def run(self, manager) -> None:
+        manager.end_offloaded(self.decide.work, self.decide.x, self.y_pairs)
+        self.decide.work = None
 
 
 class _Forward:
@@ -187,7 +202,7 @@ class _Forward:
         self.positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         self.kv_end = torch.full((), kv_end, device=ids.device)
         self.segments: list = []
-        self.steps: list[_HostStep | None] = []
+        self.steps: list[_Decide | _Finish | None] = []
         self.out = None
         self.routing: list = []
         self._open = None
@@ -210,16 +225,22 @@ class _Forward:
         seg.replay()
 
     def boundary(self, manager):
-        def host_step(layer, x, ids, weights):
-            # The segment so far (up to this layer's router) is captured and replayed: x, ids and weights now hold
-            # real values. The offloaded path runs eagerly and its result goes where the next segment reads it
-            # (allocated outside the capture, so no segment's memory pool owns it).
+        def host_steps(layer, x, ids, weights):
+            # The segment so far (up to this layer's router) is captured and replayed: x and ids now hold real
+            # values. The decisions run eagerly (their slot buffer is allocated outside any capture, so no segment's
+            # memory pool owns it); the first wave's compute is a segment of its own; the finish runs eagerly on its
+            # output; the combine opens the next segment.
             self.end_segment()
-            step = self.steps[-1] = _HostStep(layer, x, ids, weights, torch.empty_like(x))
-            step.run(manager)
+            decide = self.steps[-1] = _Decide(layer, x, ids)
+            decide.run(manager)
             self.begin_segment()
-            return step.out
-        return host_step
+            y_pairs = manager.first_wave(layer, x, decide.pair_slots)
+            self.end_segment()
+            finish = self.steps[-1] = _Finish(decide, y_pairs)
+            finish.run(manager)
+            self.begin_segment()
+            return manager.combine(y_pairs, weights)
+        return host_steps
 
     @torch.inference_mode()
     def replay(self, manager):

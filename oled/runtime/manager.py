@@ -9,7 +9,9 @@ With a static all-resident policy (`full`) there is nothing to decide and no hos
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,7 +21,7 @@ from .budget import ExpertBudget
 from .cost_model import CostModel
 from .expert_cache import ExpertCache
 from .grouped import grouped_swiglu
-from .residency import Residency
+from .residency import LayerStep, Residency, Wave
 from .stats import RunStats
 from .store import ExpertStore
 from .timer import SectionTimer
@@ -99,39 +101,55 @@ class ExpertManager:
                 for ev in events.values():
                     stream.wait_event(ev)
 
-    def _grouped(self, layer, x, pair_tokens, pair_slots, y_pairs, n_valid: int) -> None:
+    def _grouped(self, layer, x, pair_slots, y_pairs, n_valid: int | None) -> None:
+        """Grouped compute of the pairs with a slot (>= 0) into their rows of y_pairs. n_valid=None writes every row
+        (rows of pairs without a slot get unspecified values: a static shape for graphs); otherwise only the
+        n_valid rows of the served pairs, leaving the others as they are."""
         with self._section("gpu_experts"):
+            k = pair_slots.shape[0] // x.shape[0]                 # pairs are token-major: T tokens x k experts
+            pair_tokens = torch.arange(pair_slots.shape[0], device=x.device) // k
             base = self.layer_pos[layer] * self.cache.capacity
             order, y = grouped_swiglu(x, pair_tokens, pair_slots, self.cache.pool[base:base + self.cache.capacity],
                                       self.hidden, self.inter, slot_base=base)
-            if n_valid == pair_slots.shape[0]:
+            if n_valid is None or n_valid == pair_slots.shape[0]:
                 y_pairs.index_copy_(0, order, y)
             else:
                 y_pairs.index_copy_(0, order[:n_valid], y[:n_valid])
 
-    def _combine(self, y_pairs, weights, T, k, dtype):
-        return (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+    def combine(self, y_pairs, weights):
+        """sum_k weights[t, k] * y_pairs[t * k + k'], in fp32, in routing order."""
+        T, k = weights.shape
+        return (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
         if self.policy.static_full:
-            T, k = ids.shape
-            pair_tokens = torch.arange(T * k, device=x.device) // k
-            y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
             pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-            self._grouped(layer, x, pair_tokens, pair_slots, y_pairs, T * k)
+            y_pairs = torch.empty(pair_slots.shape[0], self.hidden, dtype=x.dtype, device=x.device)
+            self._grouped(layer, x, pair_slots, y_pairs, n_valid=None)
             self._routing_log.append((layer, ids))
-            return self._combine(y_pairs, weights, T, k, x.dtype)
+            return self.combine(y_pairs, weights)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
             return self.host_boundary(layer, x, ids, weights)
         return self.run_offloaded(layer, x, ids, weights)
 
     def run_offloaded(self, layer, x, ids, weights):
-        """The offloaded path: a host round trip for the routing, then copies, CPU jobs and grouped compute."""
+        """The offloaded path: a host round trip for the routing, then copies, CPU jobs and grouped compute. Three
+        parts, so that a segmented CUDA graph (decoding/graphs.py) replays the device-only middle one: the host
+        decisions, the first wave's grouped compute (every hit and the first loads), and the host's finish (further
+        waves, prefetches, CPU results)."""
+        work = self.begin_offloaded(layer, x, ids)
+        y_pairs = self.first_wave(layer, x, work.pair_slots)
+        self.end_offloaded(work, x, y_pairs)
+        return self.combine(y_pairs, weights)
+
+    def begin_offloaded(self, layer, x, ids, slots_out: torch.Tensor | None = None) -> "OffloadedLayer":
+        """Host part one: read the routing back, let the policy decide, issue the first wave's copies and the CPU
+        jobs, and put the first wave's slot of every pair (-1: served later) in a device tensor (slots_out if
+        given: the buffer a replayed graph reads)."""
         T, k = ids.shape
-        pair_tokens = torch.arange(T * k, device=x.device) // k
-        y_pairs = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
+        predicted = None
         if nxt is None:
             flat = ids.reshape(-1).cpu().numpy()      # the host round trip: decisions need the routing
         else:
@@ -145,33 +163,59 @@ class ExpertManager:
         cpu_job = None
         if step.plan.cpu:
             cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu, copying=bool(step.plan.load))
-
         # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
-        for wave in self.residency.waves(step):
-            self._copy(layer, wave.loads, wave.slots)
-            if wave.experts:
-                slot_lut = np.full(self.config.num_experts, -1, dtype=np.int64)   # this wave's experts -> slots
-                slot_of = self.cache.resident(layer)
-                wave_experts = list(wave.experts)
-                slot_lut[wave_experts] = [slot_of[e] for e in wave_experts]
-                slots_np = slot_lut[flat]
-                n_valid = int((slots_np >= 0).sum())
-                if self.cuda:
-                    self._wait_copies(slots_np[slots_np >= 0])
-                pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
-                self._grouped(layer, x, pair_tokens, pair_slots, y_pairs, n_valid)
-                if self.cuda:
-                    done = torch.cuda.Event()
-                    done.record()
-                    self.layer_done[layer] = done
+        waves = self.residency.waves(step)
+        slots_np, _ = self._issue_wave(layer, flat, next(waves))
+        pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
+        if slots_out is not None:
+            pair_slots = slots_out.copy_(pair_slots)
+        return OffloadedLayer(layer, flat, step, waves, cpu_job, nxt, predicted, pair_slots)
 
-        if nxt is not None:                           # after this layer's copies: its own misses go first
-            wanted, slots = self.residency.prefetch(nxt, predicted, step.rec)
-            self._copy(nxt, wanted, slots)
-        self.residency.end_layer(step)
-        if cpu_job is not None:
-            self._finish_cpu(cpu_job, y_pairs, step.rec)
-        return self._combine(y_pairs, weights, T, k, x.dtype)
+    def first_wave(self, layer, x, pair_slots) -> torch.Tensor:
+        """Device part: the first wave's grouped compute over the layer's slots, one output row per (token, expert)
+        pair. Rows of pairs served later (slot -1) are left unspecified here and written by end_offloaded; the
+        kernels and shapes do not depend on the routing, so a graph replays them."""
+        y_pairs = torch.empty(pair_slots.shape[0], self.hidden, dtype=x.dtype, device=x.device)
+        self._grouped(layer, x, pair_slots, y_pairs, n_valid=None)
+        return y_pairs
+
+    def end_offloaded(self, work: "OffloadedLayer", x, y_pairs) -> None:
+        """Host part two: further waves (eagerly, into y_pairs), prefetches for the next layer, statistics, and the
+        CPU jobs' results."""
+        self._mark_layer_done(work.layer)
+        for wave in work.waves:
+            slots_np, n_valid = self._issue_wave(work.layer, work.flat, wave)
+            if n_valid:
+                pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
+                self._grouped(work.layer, x, pair_slots, y_pairs, n_valid)
+                self._mark_layer_done(work.layer)
+        if work.next_layer is not None:                # after this layer's copies: its own misses go first
+            wanted, slots = self.residency.prefetch(work.next_layer, work.predicted, work.step.rec)
+            self._copy(work.next_layer, wanted, slots)
+        self.residency.end_layer(work.step)
+        if work.cpu_job is not None:
+            self._finish_cpu(work.cpu_job, y_pairs, work.step.rec)
+
+    def _issue_wave(self, layer, flat, wave) -> tuple[np.ndarray, int]:
+        """Copy a wave's loads and make the compute wait for them; returns each pair's slot in this wave (-1: not
+        in it) and the number of pairs the wave serves."""
+        self._copy(layer, wave.loads, wave.slots)
+        slot_lut = np.full(self.config.num_experts, -1, dtype=np.int64)   # this wave's experts -> slots
+        slot_of = self.cache.resident(layer)
+        wave_experts = list(wave.experts)
+        slot_lut[wave_experts] = [slot_of[e] for e in wave_experts]
+        slots_np = slot_lut[flat]
+        valid = slots_np >= 0
+        if self.cuda:
+            self._wait_copies(slots_np[valid])
+        return slots_np, int(valid.sum())
+
+    def _mark_layer_done(self, layer) -> None:
+        """The last compute that reads this layer's slots, so that a copy evicting one of them waits for it."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+            self.layer_done[layer] = done
 
     # --------------------------------------------------------------------------------------------------- CPU
     def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
@@ -180,7 +224,7 @@ class ExpertManager:
         pair_exp = flat[pair_idx]
         order = np.argsort(pair_exp, kind="stable")            # group pairs by expert, routing order inside
         pair_idx, pair_exp = pair_idx[order], pair_exp[order]
-        k = self.config.top_k
+        k = flat.size // x.shape[0]                              # pairs are token-major: T tokens x k experts
         token_idx = torch.from_numpy(pair_idx // k)
         job_experts, starts = np.unique(pair_exp, return_index=True)
         offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
@@ -263,3 +307,16 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+@dataclass
+class OffloadedLayer:
+    """What the host part one of an offloaded layer leaves for part two."""
+    layer: int
+    flat: np.ndarray            # routed expert ids, token-major [T*k]
+    step: LayerStep
+    waves: Iterator[Wave]       # the waves after the first
+    cpu_job: tuple | None
+    next_layer: int | None      # prefetch target
+    predicted: np.ndarray | None
+    pair_slots: torch.Tensor    # first wave's slot per pair, on the device
