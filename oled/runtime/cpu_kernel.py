@@ -366,10 +366,12 @@ def make_cold_blobs(hidden: int, intermediate: int, n: int, dtype=torch.bfloat16
 
 
 def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype=torch.bfloat16, jobs: int = 8,
-                  repeats: int = 15) -> float:
-    """Fixed seconds per kernel call (thread wake-up and join), from one-token calls over 1 and over `jobs` experts:
-    t(n) = call + n * expert, so call = t(1) - (t(jobs) - t(1)) / (jobs - 1). Warm weights: the difference takes
-    the per-expert time out whatever it is."""
+                  repeats: int = 15, gap_s: float = 0.002) -> float:
+    """Fixed seconds per kernel call (waking the workers and joining them), from one-token calls over 1 and over
+    `jobs` experts: t(n) = call + n * expert, so call = t(1) - (t(jobs) - t(1)) / (jobs - 1). Warm weights: the
+    difference takes the per-expert time out whatever it is. Each call comes `gap_s` after the previous one, as
+    the engine's calls come once per layer: the workers have gone to sleep and must be woken, which back-to-back
+    calls would not show."""
     _buf, blobs = make_cold_blobs(hidden, intermediate, jobs, dtype)
     x = torch.randn(jobs, hidden).to(dtype)
     out = torch.empty(jobs, hidden, dtype=torch.float32)
@@ -378,6 +380,8 @@ def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype
         tok, offs = torch.arange(n, dtype=torch.int64), torch.arange(n + 1, dtype=torch.int64)
         times = []
         for rep in range(repeats + 1):   # the first call warms up code, scratch and weights
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter()
             kernel.run(x[:n], tok, offs, blobs[:n], intermediate, out[:n])
             if rep:
