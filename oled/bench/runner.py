@@ -446,7 +446,7 @@ class Bench:
             "sections_per_iteration_ms": sections,
             "h2d_copy_gbps": copy_gbps,     # profiled pass, CUDA only: the copy path's achieved bandwidth
             # the measured miss-service costs the runtime predicts CPU jobs with (CPU policies only)
-            "cost_model": json.loads(engine.manager.costs.to_json()) if engine.manager.costs is not None else None,
+            "cost_model": engine.manager.costs.to_dict() if engine.manager.costs is not None else None,
             "stats_totals": engine.manager.stats.summary(kinds=ALL_KINDS).get("totals", {}),
             "prompts": [{"id": p.id, "prompt_tokens": len(ids), "generated_tokens": len(r.token_ids), "nfe": r.nfe,
                          "tpot_ms": r.tpot_s * 1e3, "prefill_ms": r.prefill_s * 1e3, "finish_reason": r.finish_reason,

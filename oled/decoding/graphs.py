@@ -198,9 +198,10 @@ class _Forward:
     and the static inputs they read (token ids, positions, key end), refilled before every replay."""
 
     def __init__(self, backend, ids, start: int, kv_end: int):
-        self.backend, self.ids = backend, ids.clone()
-        self.positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        self.kv_end = torch.full((), kv_end, device=ids.device)
+        self.backend, self.ids = backend, torch.empty_like(ids)
+        self.positions = torch.empty(ids.shape[0], dtype=torch.int64, device=ids.device)
+        self.kv_end = torch.empty((), dtype=torch.int64, device=ids.device)
+        self.set_inputs(ids, start, kv_end)
         self.segments: list = []
         self.steps: list[_Decide | _Finish | None] = []
         self.out = None

@@ -20,7 +20,7 @@ class KVCache:
     must still be finite (0 * NaN would leak into the attention output)."""
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device):
-        self.max_len = -(-max_len // KEY_BUCKET) * KEY_BUCKET
+        self.max_len = self.key_len(max_len)        # whole buckets: every key length a forward asks for fits
         shape = (config.num_kv_heads, self.max_len, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -13,6 +13,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ class CostModel:
 
     def cpu_expert_seconds(self, tokens: int) -> float:
         """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
-        keys = sorted(self.cpu_seconds)
+        keys = self._token_counts
         if tokens <= keys[0]:
             return self.cpu_seconds[keys[0]]
         if tokens >= keys[-1]:
@@ -45,6 +46,10 @@ class CostModel:
         lo, hi = keys[i - 1], keys[i]
         f = (tokens - lo) / (hi - lo)
         return self.cpu_seconds[lo] * (1 - f) + self.cpu_seconds[hi] * f
+
+    @cached_property
+    def _token_counts(self) -> list[int]:     # sorted once: the manager asks for every CPU job of every layer
+        return sorted(self.cpu_seconds)
 
     def cpu_jobs_seconds(self, tokens) -> float:
         """One kernel call over experts with these token counts (0 for none)."""
@@ -57,10 +62,13 @@ class CostModel:
                 f"{'/'.join(map(str, sorted(self.cpu_seconds)))} tokens + {self.cpu_call_seconds * 1e6:.0f} µs per "
                 f"call, x{self.cpu_slowdown_with_copies:.2f} while copying ({self.source})")
 
-    def to_json(self) -> str:
+    def to_dict(self) -> dict:
         d = asdict(self)
-        d["cpu_seconds"] = {str(k): v for k, v in self.cpu_seconds.items()}
-        return json.dumps(d, indent=2)
+        d["cpu_seconds"] = {str(k): v for k, v in self.cpu_seconds.items()}   # JSON object keys
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":

@@ -125,8 +125,7 @@ class ExpertManager:
         """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
         if self.policy.static_full:
             pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-            y_pairs = torch.empty(pair_slots.shape[0], self.hidden, dtype=x.dtype, device=x.device)
-            self._grouped(layer, x, pair_slots, y_pairs, n_valid=None)
+            y_pairs = self.first_wave(layer, x, pair_slots)      # every expert is resident: one wave
             self._routing_log.append((layer, ids))
             return self.combine(y_pairs, weights)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
