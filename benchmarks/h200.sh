@@ -31,7 +31,7 @@ GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} -
       --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS"
 if has grid; then
   start=$(date +%s)
-  timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-full,lru,lfu,prefetch,fiddler,tide} \
+  timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative} \
     --out $R/grid > $R/grid.log 2>&1
   echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log
 fi

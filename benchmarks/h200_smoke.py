@@ -39,19 +39,24 @@ else:
     print(f"graphs: {graphs.captures} captures, {graphs.replays} replays, enabled {graphs.enabled}; "
           f"tokens {'identical to' if ref == eager else 'DIFFERENT from'} eager", flush=True)
     status = 0 if ref == eager else 2
-POLICIES = [] if QUICK else [("lru", "0.25"), ("prefetch", "0.25"), ("tide", "0.25"), ("fiddler", "0.25")]
-SEGMENTED = [("lru", "0.25")] + ([] if QUICK else [("tide", "0.25")])
-for policy, budget in POLICIES:
+COOP = {"misses": "cooperative"}     # lru with the planner splitting misses between loads and the CPU
+POLICIES = [] if QUICK else [("lru", "0.25", {}), ("prefetch", "0.25", {}), ("tide", "0.25", {}),
+                             ("fiddler", "0.25", {}), ("lru", "0.25", COOP)]
+SEGMENTED = [("lru", "0.25", {})] + ([] if QUICK else [("tide", "0.25", {}), ("lru", "0.25", COOP)])
+for policy, budget, options in POLICIES:
     try:
         if policy == "fiddler":
             llm.engine.set_runtime("fiddler", budget, popularity=llm.engine.manager.stats.popularity())
         else:
-            llm.engine.set_runtime(policy, budget)
-        toks = run(f"{policy} {budget}")
+            costs, t0 = llm.engine.costs, time.time()
+            llm.engine.set_runtime(policy, budget, **options)
+            if llm.engine.costs is not costs:      # the first CPU policy measures (or reads back) the cost model
+                print(f"cost model ready in {time.time() - t0:.1f} s: {llm.engine.costs.describe()}", flush=True)
+        toks = run(f"{policy} {budget} {' '.join(options.values())}")
         agree = sum(a == b for a, b in zip(toks, eager)) / max(len(eager), 1)
         first = next((i for i, (a, b) in enumerate(zip(toks, eager)) if a != b), None)
         print(f"{'':18s} agreement with full {agree:.3f}, first differing token {first}", flush=True)
-        if policy in ("lru", "prefetch") and toks != eager:
+        if policy in ("lru", "prefetch") and not options and toks != eager:
             print(f"{policy}: GPU-only policy changed tokens", flush=True)
             status = status or 1
     except Exception as e:  # report and go on: this is a smoke check
@@ -59,14 +64,15 @@ for policy, budget in POLICIES:
         print(f"{policy} {budget} FAILED: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
 # Segmented graphs of offloaded forwards (the default on CUDA): the same tokens as the same policy run eagerly.
-for policy, budget in SEGMENTED if graphs is not None else []:
+for policy, budget, options in SEGMENTED if graphs is not None else []:
     try:
+        label = f"{policy} {budget} {' '.join(options.values())}"
         llm.engine.cfg.offload_graphs = False
-        llm.engine.set_runtime(policy, budget)
-        plain = run(f"{policy} {budget} eager")
+        llm.engine.set_runtime(policy, budget, **options)
+        plain = run(f"{label} eager")
         llm.engine.cfg.offload_graphs = True
-        llm.engine.set_runtime(policy, budget)
-        seg = run(f"{policy} {budget} graphs")
+        llm.engine.set_runtime(policy, budget, **options)
+        seg = run(f"{label} graphs")
         g = llm.engine.graphs
         same = seg == plain
         print(f"{'':18s} segmented graphs: {g.captures} captures, {g.replays} replays, enabled {g.enabled}; tokens "

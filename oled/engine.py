@@ -13,7 +13,7 @@ from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict
-from .policies import make_policy
+from .policies import POLICIES, make_policy
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
 from .runtime.manager import ExpertManager
@@ -43,6 +43,10 @@ def default_model_dir() -> Path:
 class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = False):
         self.cfg = cfg
+        if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in getattr(POLICIES[cfg.policy],
+                                                                                        "options", ()):
+            raise ValueError(f"--misses applies to lru, lfu and prefetch; policy {cfg.policy!r} decides its misses "
+                             "itself")
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype_name not in DTYPES:
@@ -73,7 +77,8 @@ class Engine:
         self.graphs: ForwardGraphs | None = None
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
-        self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity)
+        self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity,
+                         misses=cfg.misses)
 
     def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
         """(Re)build the budget, the policy and the expert manager over the loaded model and expert store, without

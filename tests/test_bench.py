@@ -9,6 +9,8 @@ from oled.bench import METRICS, BenchConfig, PolicySpec, render, run_bench
 from oled.bench import workloads as wl
 from oled.decoding.params import DecodeParams
 
+from .costs import balanced_costs
+
 TOP_LEVEL = ("schema", "run_id", "mode", "status", "label", "timestamp", "workload", "policy", "policy_label",
              "policy_options", "budget", "budget_fraction", "slots_per_layer", "budget_bytes", "model", "engine",
              "decode", "bench", "env", "metrics", "sections_per_iteration_ms", "stats_totals", "prompts", "cost_model")
@@ -166,6 +168,20 @@ def test_replay_grid(tmp_path):
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "Replay" in report and "### hit rate (tokens)" in report and "### TPOT" not in report
 
+    # cooperative misses plan on a cost model: the trace of a GPU-only run has none, so the cell is skipped with the
+    # reason; given one (--cost-model FILE), it runs and computes misses on the CPU
+    coop = ["lru:misses=cooperative"]
+    assert run_bench(_cfg(tmp_path / "none", replay=str(path), policies=coop, budgets=["0.25"])) == []
+    (reason,) = [json.loads(x)["reason"] for x in open(tmp_path / "none" / "bench" / "skipped.jsonl")]
+    assert "cost model" in reason
+    cost_file = tmp_path / "costs.json"
+    cost_file.write_text(balanced_costs(engine.store.expert_bytes).to_json())
+    (row,) = run_bench(_cfg(tmp_path / "given", replay=str(path), policies=coop, budgets=["0.25"],
+                            cost_model=str(cost_file)))
+    assert row["policy_label"] == "lru(misses=cooperative)"
+    m = {k: v["median"] for k, v in row["metrics"].items()}
+    assert m["cpu_pairs_per_iteration"] > 0 and m["h2d_gb_per_iteration"] > 0
+
 
 def test_unmet_requirements_are_skipped_with_a_reason(tmp_path):
     cfg = _cfg(tmp_path, policies=["lru", "fiddler"], budgets=["0.5", "0.01"],
@@ -235,12 +251,14 @@ def test_set_runtime_sweeps_without_reloading(tmp_path):
 
 
 def test_cpu_policy_lines_carry_the_cost_model_and_its_error(tmp_path):
-    rows = run_bench(_cfg(tmp_path, policies=["lru", "tide"], budgets=["0.25"], prompts=1, profile=False,
-                          cpu_threads=1))
+    rows = run_bench(_cfg(tmp_path, policies=["lru", "tide", "lru:misses=cooperative"], budgets=["0.25"], prompts=1,
+                          profile=False, cpu_threads=1))
+    coop = next(r for r in rows if r["policy_label"] == "lru(misses=cooperative)")
+    assert coop["cost_model"]["source"].startswith("measured") and coop["policy_options"] == {"misses": "cooperative"}
     (row,) = [r for r in rows if r["policy"] == "tide"]
     cost = row["cost_model"]
     assert cost["source"].startswith("measured") and set(cost["cpu_seconds"]) == {"1", "2", "4", "8", "16", "32"}
     m = {k: v["median"] for k, v in row["metrics"].items()}
     assert m["cpu_pairs_per_iteration"] > 0 and m["cpu_ms_per_iteration"] > 0 and m["cpu_cost_model_ratio"] > 0
-    lru = next(r for r in rows if r["policy"] == "lru")
+    lru = next(r for r in rows if r["policy_label"] == "lru")
     assert lru["cost_model"] is None and lru["metrics"]["cpu_cost_model_ratio"]["median"] is None

@@ -13,6 +13,7 @@ from oled.decoding import graphs as graphs_mod
 from oled.decoding.graphs import ForwardGraphs
 from oled.decoding.loop import generate
 
+from .costs import balanced_costs
 from .graph_emulator import EmulatedGraphs
 
 PROMPT = "hello world, how are you today?"
@@ -58,7 +59,7 @@ def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
 
 
 @pytest.mark.parametrize("policy,budget", [("lru", "0.25"), ("lru", "0.0625"), ("prefetch", "0.25"),
-                                           ("tide", "0.25"), ("fiddler", "0.25")])
+                                           ("tide", "0.25"), ("fiddler", "0.25"), ("lru:cooperative", "0.25")])
 def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
     """Offloaded forwards replay segment by segment with the manager's host steps in between: same tokens and the
     same hit/miss/copy statistics as eager forwards (0.0625 = one slot per layer: several waves per layer)."""
@@ -67,6 +68,9 @@ def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
         llm.engine.set_runtime("full", "1.0")
         _run(llm, None)
         options = {"popularity": llm.engine.manager.stats.popularity()}
+    if policy.endswith(":cooperative"):                 # loads and CPU jobs in the same layers
+        policy, options = policy.split(":")[0], {"misses": "cooperative"}
+        llm.engine.costs = balanced_costs(llm.engine.store.expert_bytes)
     llm.engine.set_runtime(policy, budget, **options)
     eager, eager_stats = _run(llm, None)
     llm.engine.set_runtime(policy, budget, **options)   # the same cold cache for the replayed run
@@ -77,6 +81,8 @@ def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
     moe_layers = len(llm.engine.config.moe_layers)
     assert graphs.replays > 0
     assert graphs.backend.segments == graphs.captures * (2 * moe_layers + 1)   # two host steps per MoE layer
+    if options.get("misses") == "cooperative":
+        assert stats["totals"]["loads"] > 0 and stats["totals"]["pairs_cpu"] > 0
 
 
 @pytest.mark.parametrize("skipped", ["decide", "finish"])

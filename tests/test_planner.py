@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
 import torch
 
 import oled
+from oled.policies import PolicyContext, make_policy
 from oled.runtime.cost_model import CostModel, load_or_measure
 from oled.runtime.planner import plan_cost, split_misses
 
@@ -99,6 +101,9 @@ def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):
     cached = list(tmp_path.glob("*.json"))
     assert len(cached) == 1
     assert load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path) == m   # read back, not re-measured
+    cached[0].write_text("{damaged")
+    again = load_or_measure(eng.store, kernel, "cpu", cache_dir=tmp_path)      # measured again, and rewritten
+    assert again.cpu_seconds.keys() == m.cpu_seconds.keys() and CostModel.from_json(cached[0].read_text()) == again
 
 
 def test_cpu_policies_run_with_the_measured_cost_model_and_report_its_error():
@@ -119,3 +124,66 @@ def test_cpu_policies_run_with_the_measured_cost_model_and_report_its_error():
     assert eng.manager.costs is None
     llm.generate("hello world", gen_length=32)
     assert llm.stats()["cpu_cost_model_ratio"] is None and llm.stats()["cpu_ms_per_iteration"] == 0
+
+
+# ------------------------------------------------------------------------------ cooperative miss handling in policies
+def _ctx(capacity, cost, layers=(1,)):
+    return PolicyContext(layers=list(layers), num_experts=64, capacity=capacity, top_k=4,
+                         expert_bytes=cost.expert_bytes, costs=cost)
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "prefetch"])
+def test_cooperative_policies_plan_with_the_planner(name):
+    """misses=cooperative: the plan is the planner's optimal split, loads capped at the slots not holding a hit."""
+    rng = random.Random(7)
+    for call in (0.0, 60e-6):
+        cost = _model(call=call)
+        for trial in range(30):
+            capacity = rng.randint(1, 8)
+            policy = make_policy(name, misses="cooperative")
+            assert policy.uses_cpu and policy.misses == "cooperative"
+            policy.setup(_ctx(capacity, cost))
+            demand = {e: rng.choice([1, 1, 2, 4, 9, 32]) for e in rng.sample(range(64), rng.randint(1, 9))}
+            resident = set(rng.sample(sorted(demand), min(capacity, rng.randint(0, len(demand)))))
+            plan = policy.plan(1, demand, resident)
+            misses = {e: n for e, n in demand.items() if e not in resident}
+            hits, room = len(demand) - len(misses), capacity - len(demand) + len(misses)
+            assert sorted(plan.load + plan.cpu) == sorted(misses)
+            assert len(plan.load) <= room
+            assert plan_cost(plan.load, plan.cpu, misses, hits, cost) == pytest.approx(
+                _brute(misses, hits, cost, None, max_loads=room), rel=1e-9, abs=1e-12), (name, trial)
+
+
+def test_cooperative_split_follows_the_costs():
+    demand = {e: 3 for e in range(10)}
+    slow_pcie, slow_cpu = _model(h2d=0.5), _model(h2d=5000.0)
+    for cost, expect in ((slow_pcie, "cpu"), (slow_cpu, "load")):
+        policy = make_policy("lru", misses="cooperative")
+        policy.setup(_ctx(16, cost))
+        plan = policy.plan(1, demand, set())
+        assert (plan.cpu if expect == "cpu" else plan.load) and not (plan.load if expect == "cpu" else plan.cpu)
+    policy = make_policy("lru", misses="cooperative")
+    policy.setup(_ctx(16, _model(h2d=6 * 2**20 / 70e-6 / 1e9, call=0.0)))    # a load takes what a CPU expert takes
+    plan = policy.plan(1, demand, set())
+    assert 3 <= len(plan.load) <= 7 and plan.cpu                             # both sides work
+
+
+def test_cooperative_needs_costs_and_a_known_mode():
+    with pytest.raises(ValueError, match="cost model"):
+        make_policy("lfu", misses="cooperative").setup(PolicyContext(layers=[1], num_experts=8, capacity=2, top_k=2,
+                                                                     expert_bytes=1))
+    with pytest.raises(ValueError, match="misses must be one of load, cooperative"):
+        make_policy("lru", misses="cpu")
+    plain = make_policy("prefetch")
+    assert plain.misses == "load" and not plain.uses_cpu
+    plain.setup(PolicyContext(layers=[1], num_experts=8, capacity=2, top_k=2, expert_bytes=1))   # no costs needed
+    assert plain.plan(1, {1: 2, 2: 1, 3: 1}, {2}).load == [1, 3]
+
+
+def test_cost_model_from_bad_json():
+    good = _model().to_dict()
+    assert CostModel.from_dict(good) == _model()
+    for bad in ("not json", "[]", '{"cpu_seconds": {}}', json.dumps(dict(good, cpu_seconds={"x": 1})),
+                json.dumps({k: v for k, v in good.items() if k != "h2d_gbps"})):
+        with pytest.raises(ValueError, match="malformed cost model"):
+            CostModel.from_json(bad)

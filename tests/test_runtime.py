@@ -19,6 +19,8 @@ from oled.policies.lru import LRUPolicy
 from oled.runtime.budget import parse_budget
 from oled.runtime.manager import ExpertManager
 
+from .costs import balanced_costs
+
 PRESETS = ["tiny", "tiny-lladamoe"]          # llada2_moe (2 MoE layers, 16 experts, top-4); lladamoe (2, 8, top-2)
 GPU_POLICIES = ["lru", "lfu", "prefetch"]
 CPU_POLICIES = ["fiddler", "tide"]
@@ -143,6 +145,34 @@ def test_cache_modes(reference, cache):
         llm = make_llm(preset, policy, "0.25")
         BudgetWatch(llm.engine.manager)
         assert llm.generate(PROMPT, gen_length=40, cache=cache).token_ids == ref, (policy, cache)
+
+
+@pytest.mark.parametrize("policy", GPU_POLICIES)
+def test_cooperative_misses_give_full_tokens(reference, policy):
+    """misses=cooperative: the planner splits each layer's misses between loads and the CPU; tokens stay those of
+    `full`, the budget holds, and every layer runs in one wave (loads fit next to the hits)."""
+    preset, _, ref_tokens, _ = reference
+    llm = make_llm(preset, policy, "0.25")
+    eng = llm.engine
+    eng.costs = balanced_costs(eng.store.expert_bytes)      # both sides used, whatever this machine measures
+    eng.set_runtime(policy, "0.25", misses="cooperative")
+    m = eng.manager
+    assert m.costs is eng.costs and eng.policy.ctx.costs is eng.costs and m.cpu_kernel is not None
+    watch = BudgetWatch(m)
+    assert llm.generate(PROMPT, **GEN).token_ids == ref_tokens, (preset, policy)
+    tot = llm.stats()["totals"]
+    assert tot["loads"] > 0 and tot["pairs_cpu"] > 0, tot
+    assert watch.checks > 0 and watch.max_wave_layers == 0
+    assert all(r.experts_hit + r.loads <= m.cache.capacity for r in m.stats.records)
+
+
+def test_cooperative_with_the_measured_cost_model():
+    llm = make_llm("tiny", "lru", "0.25", misses="cooperative")
+    eng = llm.engine
+    assert eng.costs is not None and eng.costs.source.startswith("measured") and eng.policy.ctx.costs is eng.costs
+    assert llm.generate(PROMPT, **GEN).token_ids == make_llm("tiny").generate(PROMPT, **GEN).token_ids
+    with pytest.raises(ValueError, match="--misses applies to lru, lfu and prefetch"):
+        make_llm("tiny", "tide", "0.25", misses="cooperative")
 
 
 # ----------------------------------------------------------------------------------------------- logits, exact

@@ -11,9 +11,12 @@ from oled.config import EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 from oled.policies.base import IterationEvent
+from oled.runtime.cost_model import CostModel
 from oled.runtime.stats import TIMINGS
 from oled.trace import KINDS, Trace, format_locality, locality, record_trace, replay
 from oled.trace.format import BEGIN, END, EVENT, REQUEST, RUN
+
+from .costs import balanced_costs
 
 PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "Hello there, how are you today?"]
 PARAMS = dict(gen_length=32, block_length=16)
@@ -66,6 +69,23 @@ def test_replay_of_cpu_policy_matches_live(engine, tmp_path):
     decisions = [{k: v for k, v in r.items() if k not in TIMINGS} for r in live_rows]
     assert rows == [dict(r, cpu_s=0.0, cpu_s_model=0.0) for r in decisions]    # the replay has no timings
     assert sum(r["pairs_cpu"] for r in rows) > 0
+
+
+def test_replay_of_cooperative_misses_plans_on_the_recorded_costs(engine, tmp_path, lru_trace):
+    """A trace records the cost model of its run; a cooperative replay plans on it (same decisions as live), or on
+    the cost model it is given, and refuses to guess when there is none."""
+    engine.costs = balanced_costs(engine.store.expert_bytes)
+    trace, _, live_rows = _record(engine, "lru", "0.25", tmp_path, misses="cooperative")
+    assert trace.header["costs"] == engine.costs.to_dict() and trace.header["live"]["misses"] == "cooperative"
+    rows = replay(trace, "lru", "0.25", misses="cooperative").stats.to_rows()
+    decisions = [{k: v for k, v in r.items() if k not in TIMINGS} for r in live_rows]
+    assert rows == [dict(r, cpu_s=0.0, cpu_s_model=0.0) for r in decisions]
+    assert sum(r["pairs_cpu"] for r in rows) > 0 and sum(r["loads"] for r in rows) > 0
+    slow_pcie = CostModel.from_dict(dict(engine.costs.to_dict(), h2d_gbps=engine.costs.h2d_gbps / 1000))
+    rows = replay(trace, "lru", "0.25", slow_pcie, misses="cooperative").stats.to_rows()
+    assert sum(r["loads"] for r in rows) == 0 and sum(r["pairs_cpu"] for r in rows) > 0
+    with pytest.raises(ValueError, match="cost model"):
+        replay(lru_trace[0], "lru", "0.25", misses="cooperative")     # recorded by a GPU-only policy: no costs
 
 
 def test_trace_content(lru_trace, engine):

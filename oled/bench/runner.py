@@ -25,6 +25,7 @@ from ..decoding.loop import generate
 from ..decoding.params import DecodeParams
 from ..policies import POLICIES
 from ..runtime.budget import BudgetError, parse_budget
+from ..runtime.cost_model import CostModel
 from ..runtime.stats import RunStats
 from ..runtime.timer import SectionTimer
 from . import workloads as wl_mod
@@ -111,6 +112,7 @@ class BenchConfig:
     profile_all: bool = False            # profiled pass for every run (sections in every line)
     profile: bool = True                 # False: no profiled pass at all
     replay: str | None = None            # a trace file: replay instead of running the model
+    cost_model: str | None = None        # replay: cost model JSON for cooperative policies (default: the trace's)
     progress: bool = True
     render: bool = True                  # write report.md and plots at the end
 
@@ -497,6 +499,7 @@ class Bench:
 
         cfg = self.cfg
         trace = Trace.load(cfg.replay)
+        costs = CostModel.from_json(Path(cfg.cost_model).read_text()) if cfg.cost_model else None
         self.env = dict(environment("cpu"), label="replay (CPU)")
         h = trace.header
         model = dict(h["model"], note=("random weights: routing differs from a trained model"
@@ -517,7 +520,7 @@ class Bench:
                 if spec.name == "fiddler" and "popularity" not in options:
                     options["popularity"] = cfg.popularity or trace.popularity()
                 try:
-                    mgr = replay(trace, spec.name, budget, **options)
+                    mgr = replay(trace, spec.name, budget, costs, **options)
                 except (ValueError, RuntimeError) as e:
                     self._skip(wl_name, spec, budget, str(e))
                     self._tick(1)

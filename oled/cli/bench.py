@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     e.add_argument("--tide-tau", type=int, help="tide: default refresh period (or give tide:tau=N)")
     e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
                                         "reference pass, or from the trace when replaying)")
+    e.add_argument("--cost-model", metavar="FILE",
+                   help="replay: the cost model (JSON, as in a bench line's `cost_model` or ~/.cache/oled/costs/) "
+                        "that cooperative policies plan on (default: the one recorded in the trace)")
     add_decode_args(p)
 
 
@@ -68,7 +71,7 @@ def run(args) -> int:
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
                       profile_all=args.profile_all, profile=args.profile, replay=args.replay,
-                      progress=args.progress)
+                      cost_model=args.cost_model, progress=args.progress)
     rows = run_bench(cfg)
     if not rows:
         print("no run completed (see the messages above)", file=sys.stderr)

@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-budget", default="1.0",
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
     g.add_argument("--policy", default="lru", help="expert residency policy")
+    g.add_argument("--misses", choices=["load", "cooperative"],
+                   help="lru, lfu, prefetch: load every miss (default), or let the planner split misses between "
+                        "loading and the CPU on the measured costs")
     g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
     g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
     add_execution_args(g)
@@ -51,7 +54,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, random_weights=args.random_weights, layers=args.layers, seed=args.seed,
                         device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
-                        tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
+                        misses=args.misses, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs,
                         profile=getattr(args, "profile", False))

@@ -78,7 +78,7 @@ def _record(args):
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
     # Self-check: replaying the trace through the recording policy and budget gives the live run's statistics.
     live = trace.header["live"]
-    options = {"tau": cfg.tide_tau, "popularity": cfg.popularity}
+    options = {"tau": cfg.tide_tau, "popularity": cfg.popularity, "misses": live.get("misses")}
     try:
         rep = replay(trace, live["policy"], live["expert_budget"], **options)
         same = rep.stats.summary(kinds=("prefill", "iteration", "cache_fill")).get("totals", {}) == live["totals"]

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..runtime.cost_model import CostModel
+from ..runtime.planner import split_misses
+
+MISS_MODES = ("load", "cooperative")   # what a caching policy does with a miss: load it, or let the planner split
+
 
 @dataclass
 class LayerPlan:
@@ -26,6 +31,7 @@ class PolicyContext:
     capacity: int              # slots per layer
     top_k: int
     expert_bytes: int
+    costs: CostModel | None = None   # measured miss-service costs (given when the policy computes on the CPU)
 
 
 @dataclass
@@ -59,6 +65,17 @@ class Policy:
     def plan(self, layer: int, demand: dict[int, int], resident: set[int]) -> LayerPlan:
         """demand: expert -> number of tokens routed to it in this forward. Default: load every miss."""
         return LayerPlan(load=[e for e in demand if e not in resident])
+
+    def cooperative_plan(self, demand: dict[int, int], resident: set[int],
+                         credit: dict[int, float] | None = None) -> LayerPlan:
+        """Split the misses between loading and the CPU with the planner, on the measured costs; loads are capped
+        at the slots not holding a hit, so that the layer runs in one wave."""
+        if self.ctx.costs is None:
+            raise RuntimeError(f"policy {self.name!r}: cooperative miss handling needs the measured cost model")
+        misses = {e: n for e, n in demand.items() if e not in resident}
+        hits = len(demand) - len(misses)
+        load, cpu = split_misses(misses, hits, self.ctx.costs, credit, max_loads=self.ctx.capacity - hits)
+        return LayerPlan(load=load, cpu=cpu)
 
     def victim(self, layer: int, candidates: list[int]) -> int:
         raise NotImplementedError

@@ -71,10 +71,22 @@ class CostModel:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        try:
+            model = cls(**dict(d, cpu_seconds={int(k): float(v) for k, v in d["cpu_seconds"].items()}))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"malformed cost model ({type(e).__name__}: {e})") from None
+        if not model.cpu_seconds:
+            raise ValueError("malformed cost model: no CPU times")
+        return model
+
+    @classmethod
     def from_json(cls, text: str) -> "CostModel":
-        d = json.loads(text)
-        d["cpu_seconds"] = {int(k): v for k, v in d["cpu_seconds"].items()}
-        return cls(**d)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed cost model: not JSON ({e})") from None
+        return cls.from_dict(d)
 
 
 def _time_copies(store, device, n: int) -> float:
@@ -143,7 +155,10 @@ def load_or_measure(store, kernel, device, cache_dir: str | Path | None = None) 
     root = Path(cache_dir or os.environ.get("OLED_COST_CACHE") or Path.home() / ".cache" / "oled" / "costs")
     path = root / f"{cache_key(store, kernel, device)}.json"
     if path.is_file():
-        return CostModel.from_json(path.read_text())
+        try:
+            return CostModel.from_json(path.read_text())
+        except ValueError:
+            pass       # a damaged cache file is measured again and overwritten
     model = measure(store, kernel, device)
     try:
         root.mkdir(parents=True, exist_ok=True)

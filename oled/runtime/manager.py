@@ -51,7 +51,7 @@ class ExpertManager:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
-                                   top_k=self.config.top_k, expert_bytes=store.expert_bytes)
+                                   top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs)
         self._place_initial()
         self.slot_lut = self.cache.slot_table(self.config.num_experts) if policy.static_full else None
         self._buffers: dict[str, torch.Tensor] = {}

@@ -37,13 +37,13 @@ class Wave:
 
 class Residency:
     def __init__(self, cache: ExpertCache, policy: Policy, stats: RunStats, *, num_experts: int, top_k: int,
-                 expert_bytes: int):
+                 expert_bytes: int, costs=None):
         self.cache, self.policy, self.stats = cache, policy, stats
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes = expert_bytes
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
-                                   top_k=top_k, expert_bytes=expert_bytes))
+                                   top_k=top_k, expert_bytes=expert_bytes, costs=costs))
         if policy.static_full and cache.capacity < num_experts:
             raise ValueError(f"policy {policy.name!r} needs every expert resident: use --expert-budget 1.0")
 

@@ -43,7 +43,10 @@ def record_trace(engine, prompts, params, *, workload: dict | None = None, predi
     rec, results = record(engine, prompts, params, predictions=predictions, on_prompt=on_prompt)
     header = trace_header(engine, params, workload)
     stats = engine.manager.stats
-    header["live"] = {"policy": engine.policy.name, "expert_budget": f"{engine.budget.bytes}b",
+    if engine.manager.costs is not None:    # a replay plans CPU misses on the recording machine's costs
+        header["costs"] = engine.manager.costs.to_dict()
+    header["live"] = {"policy": engine.policy.name, "misses": getattr(engine.policy, "misses", None),
+                      "expert_budget": f"{engine.budget.bytes}b",
                       "budget_fraction": engine.budget.fraction, "slots_per_layer": engine.budget.slots_per_layer,
                       "totals": stats.summary(kinds=KINDS).get("totals", {}),
                       "summary": {k: v for k, v in stats.summary().items() if k != "totals"}}

@@ -17,6 +17,7 @@ import torch
 from ..policies import make_policy
 from ..policies.base import Policy
 from ..runtime.budget import ExpertBudget, parse_budget
+from ..runtime.cost_model import CostModel
 from ..runtime.expert_cache import ExpertCache
 from ..runtime.residency import Residency
 from ..runtime.stats import RunStats
@@ -24,13 +25,13 @@ from .format import BEGIN, END, EVENT, KINDS, REQUEST, RUN, Trace
 
 
 class ReplayManager:
-    def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy):
+    def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None):
         model = trace.header["model"]
         self.trace, self.policy, self.budget = trace, policy, budget
         self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta")   # slot tables only
         self.stats = RunStats()
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
-                                   top_k=model["top_k"], expert_bytes=model["expert_bytes"])
+                                   top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs)
         self.residency.place_initial()
         self.prediction = "recorded" if trace.has_predictions else "oracle (next layer's actual routing)"
 
@@ -76,13 +77,17 @@ class ReplayManager:
         return self.stats
 
 
-def replay(trace: Trace, policy: str | Policy, expert_budget, **options) -> ReplayManager:
-    """Replay `trace` through a policy (name and make_policy options, or an instance) at a budget."""
+def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
+           **options) -> ReplayManager:
+    """Replay `trace` through a policy (name and make_policy options, or an instance) at a budget. Policies that
+    plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any."""
     model = trace.header["model"]
     budget = parse_budget(expert_budget, num_layers=len(trace.layers), num_experts=model["num_experts"],
                           expert_bytes=model["expert_bytes"])
     if isinstance(policy, str):
         policy = make_policy(policy, **options)
-    mgr = ReplayManager(trace, budget, policy)
+    if costs is None and trace.header.get("costs"):
+        costs = CostModel.from_dict(trace.header["costs"])
+    mgr = ReplayManager(trace, budget, policy, costs)
     mgr.replay()
     return mgr
