@@ -186,3 +186,27 @@ def test_logs_choice_once(caplog):
 def test_calibrate_smoke(fast):
     res = calibrate(fast, 64, 32, token_counts=(1, 4), n_experts=8, repeats=2)
     assert set(res) == {1, 4} and all(v > 0 for v in res.values())
+
+
+def test_hold_keeps_workers_polling_until_its_deadline():
+    """A hold keeps the idle workers polling (CPU time accrues) until its deadline or until it is ended; held
+    calls compute the same results."""
+    import time
+
+    k = CpuExpertKernel(num_threads=1)
+    run_and_check(k, 96, 40, [3, 1], torch.bfloat16, 1e-2)     # the worker exists and has run
+    time.sleep(0.05)                                           # past its short spin: asleep
+
+    def cpu_seconds_over(wall, hold=None):
+        if hold is not None:
+            k.hold(hold)
+        t = time.process_time()
+        time.sleep(wall)
+        return time.process_time() - t
+
+    assert cpu_seconds_over(0.3) < 0.1                           # asleep: no polling
+    assert 0.12 < cpu_seconds_over(0.5, hold=0.25) < 0.4         # polls through the 0.25 s hold, then sleeps
+    k.hold(5.0)
+    run_and_check(k, 96, 40, [2, 7, 1], torch.bfloat16, 1e-2)
+    assert cpu_seconds_over(0.3, hold=0.0) < 0.1                 # ended early
+    k.close()

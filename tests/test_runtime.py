@@ -175,6 +175,22 @@ def test_cooperative_with_the_measured_cost_model():
         make_llm("tiny", "tide", "0.25", misses="cooperative")
 
 
+def test_cpu_workers_are_held_awake_through_each_forward():
+    """With a CPU policy, every forward holds the kernel's workers awake (no wake-up per layer) and ends the hold."""
+    from oled.runtime.manager import HOLD_S
+
+    llm = make_llm("tiny", "tide", "0.25")
+    kernel = llm.engine.manager.cpu_kernel
+    calls, hold = [], kernel.hold
+    kernel.hold = lambda seconds: (calls.append(seconds), hold(seconds))
+    try:
+        out = llm.generate(PROMPT, gen_length=32)
+    finally:
+        del kernel.hold
+    forwards = out.counters["nfe"] + out.counters.get("cache_forwards", 0)
+    assert calls == [HOLD_S, 0.0] * forwards and forwards > 0
+
+
 # ----------------------------------------------------------------------------------------------- logits, exact
 def _install(engine, manager):
     for block in engine.model.moe_blocks():

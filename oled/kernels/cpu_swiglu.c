@@ -171,6 +171,7 @@ typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t done;  /* futex: set to gen by the last worker */
     _Alignas(CACHE_LINE) _Atomic int remaining;
     _Alignas(CACHE_LINE) _Atomic int sleepers;   /* workers inside futex_wait(gen) */
+    _Alignas(CACHE_LINE) _Atomic int64_t hold_until; /* now_ns() until which idle workers poll instead of sleeping */
     _Alignas(CACHE_LINE) _Atomic int bar_cnt;
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_gen;
     _Alignas(CACHE_LINE) _Atomic int next1;      /* next chunk of phase 1 */
@@ -208,23 +209,27 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 #endif
 }
 
-/* Wait until *addr != val: poll for spin_ns first (a call that follows soon finds the threads awake), then sleep.
- * The polling yields the core every few checks, so a thread that shares it (the Python caller, the GPU-launching
- * main thread, a CUDA driver thread) is not starved by a spinner; sched_yield returns at once on an idle core. */
-static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t val, int64_t spin_ns, _Atomic int *sleepers) {
+/* Wait until *addr != val: poll for spin_ns first (a call that follows soon finds the threads awake), and at least
+ * until *hold_until, then sleep. The polling yields the core every few checks, so a thread that shares it (the Python
+ * caller, the GPU-launching main thread, a CUDA driver thread) is not starved by a spinner; sched_yield returns at
+ * once on an idle core. A sleeper woken without a change (oled_pool_hold) polls again. */
+static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t val, int64_t spin_ns, _Atomic int *sleepers,
+                            _Atomic int64_t *hold_until) {
     uint32_t v;
-    int64_t t0 = now_ns();
-    for (unsigned i = 1;; i++) {
-        v = atomic_load_explicit(addr, memory_order_acquire);
-        if (v != val) return v;
-        if ((i & 15) == 0) {
-            if (now_ns() - t0 > spin_ns) break;
-            sched_yield();
-        } else {
-            cpu_relax();
-        }
-    }
     for (;;) {
+        int64_t t0 = now_ns();
+        for (unsigned i = 1;; i++) {
+            v = atomic_load_explicit(addr, memory_order_acquire);
+            if (v != val) return v;
+            if ((i & 15) == 0) {
+                int64_t now = now_ns();
+                if (now - t0 > spin_ns && !(hold_until && now < atomic_load_explicit(hold_until, memory_order_relaxed)))
+                    break;
+                sched_yield();
+            } else {
+                cpu_relax();
+            }
+        }
         if (sleepers) atomic_fetch_add(sleepers, 1);
         futex_wait(addr, val);
         if (sleepers) atomic_fetch_sub(sleepers, 1);
@@ -835,7 +840,7 @@ static void *worker_main(void *arg) {
 #endif
     uint32_t seen = 0;
     for (;;) {
-        seen = wait_change(&p->gen, seen, p->spin_ns, &p->sleepers);
+        seen = wait_change(&p->gen, seen, p->spin_ns, &p->sleepers, &p->hold_until);
         if (p->stop) break;
         run_task(p, tid);
         if (atomic_fetch_sub(&p->remaining, 1) == 1) {
@@ -893,6 +898,16 @@ void oled_pool_destroy(void *handle) {
     free(p->ap);
     free(p->gb);
     free(p);
+}
+
+/* Idle workers keep polling for the next hold_ns (no sleep, so no wake-up cost on the next call); 0 ends a hold.
+ * A hold wakes sleeping workers now, so that their wake-up overlaps the caller's own work instead of delaying the
+ * next call. Meant for a stretch of closely spaced calls (the engine holds the pool through each forward); the
+ * deadline bounds the polling if the caller never ends the hold (an exception mid-forward). */
+void oled_pool_hold(void *handle, int64_t hold_ns) {
+    pool_t *p = (pool_t *)handle;
+    atomic_store(&p->hold_until, hold_ns > 0 ? now_ns() + hold_ns : 0);
+    if (hold_ns > 0 && atomic_load(&p->sleepers) > 0) futex_wake_all(&p->gen);
 }
 
 /* Number of workers that pinned themselves (valid once they have run a task). */
@@ -981,6 +996,6 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
     if (atomic_load(&p->sleepers) > 0) futex_wake_all(&p->gen);
     /* the caller sleeps on its own futex after a short spin: it is a Python thread, not one of the pinned cores */
     for (uint32_t d; (d = atomic_load_explicit(&p->done, memory_order_acquire)) != g;)
-        wait_change(&p->done, d, 20000, NULL);
+        wait_change(&p->done, d, 20000, NULL, NULL);
     return 0;
 }

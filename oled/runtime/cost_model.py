@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 
-COST_MODEL_VERSION = 3   # part of the cache key: a model measured by older code is measured again
+COST_MODEL_VERSION = 4   # part of the cache key: a model measured by older code is measured again
 
 
 @dataclass
@@ -27,7 +27,7 @@ class CostModel:
     expert_bytes: int
     h2d_gbps: float                       # expert blob copies into cache slots, GB/s
     cpu_seconds: dict[int, float]         # tokens per expert -> seconds per expert (CPU kernel, cold weights)
-    cpu_call_seconds: float = 0.0         # fixed time of one kernel call (waking and joining its threads)
+    cpu_call_seconds: float = 0.0         # fixed time of one kernel call (starting and joining its threads)
     cpu_slowdown_with_copies: float = 1.0  # CPU time factor while H2D copies run concurrently
     gpu_seconds_per_expert: float = 0.0   # grouped GPU compute per resident expert (small; read from HBM)
     source: str = "measured"
@@ -114,7 +114,8 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     n = 16
     h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
     # calibrate() times back-to-back calls of 8 experts: take that call's share out of its per-expert times; the
-    # engine calls the kernel once per layer, after its workers went to sleep: that call's time is the model's
+    # engine calls the kernel once per layer, ms apart, with the workers held awake through the forward: the time of
+    # such a call is the model's
     jobs = 8
     back_to_back = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs, gap_s=0.0)
     call = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs)
@@ -126,10 +127,20 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
         import threading
 
         stop = threading.Event()
+        layer, dst = store.layers[0], torch.empty(n, store.numel, dtype=store.dtype, device=device)
+        stream = torch.cuda.Stream(device)
 
         def copies():
+            # a few ms of copies queued at a time, then a blocking wait: this thread sleeps while they run, as the
+            # engine's main thread does not spin on the copies either, so the CPU kernel's threads keep their cores
             while not stop.is_set():
-                _time_copies(store, device, n)
+                with torch.cuda.stream(stream):
+                    for _ in range(4):
+                        for i in range(n):
+                            dst[i].copy_(store.blob(layer, i), non_blocking=True)
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+                done.synchronize()
 
         t = threading.Thread(target=copies, daemon=True)
         t.start()

@@ -205,6 +205,8 @@ def _load_library() -> ctypes.CDLL | None:
         lib.oled_pool_create.argtypes = [I32, P, I64]
         lib.oled_pool_destroy.restype = None
         lib.oled_pool_destroy.argtypes = [P]
+        lib.oled_pool_hold.restype = None
+        lib.oled_pool_hold.argtypes = [P, I64]
         lib.oled_pool_pinned.restype = I32
         lib.oled_pool_pinned.argtypes = [P]
         lib.oled_set_prefetch.restype = None
@@ -330,6 +332,14 @@ class CpuExpertKernel:
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
 
+    def hold(self, seconds: float) -> None:
+        """Keep the idle workers polling for the next `seconds` (0: let them sleep after the usual short spin). A hold
+        wakes sleeping workers at once: the engine holds the pool through each forward, so that the wake-up (hundreds
+        of µs for 15 threads on a virtual machine) overlaps the forward's GPU work instead of delaying each layer's
+        call. The deadline bounds the polling if a forward never ends (an exception)."""
+        if self._lib is not None and self._pool is not None:
+            self._lib.oled_pool_hold(self._pool, int(seconds * 1e9))
+
     @property
     def pinned_threads(self) -> int:
         """Workers that pinned themselves to their core (known once they have run)."""
@@ -366,15 +376,24 @@ def make_cold_blobs(hidden: int, intermediate: int, n: int, dtype=torch.bfloat16
 
 
 def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype=torch.bfloat16, jobs: int = 8,
-                  repeats: int = 15, gap_s: float = 0.002) -> float:
+                  repeats: int = 15, gap_s: float = 0.002, held: bool = True) -> float:
     """Fixed seconds per kernel call (waking the workers and joining them), from one-token calls over 1 and over
     `jobs` experts: t(n) = call + n * expert, so call = t(1) - (t(jobs) - t(1)) / (jobs - 1). Warm weights: the
     difference takes the per-expert time out whatever it is. Each call comes `gap_s` after the previous one, as
-    the engine's calls come once per layer: the workers have gone to sleep and must be woken, which back-to-back
-    calls would not show."""
+    the engine's calls come once per layer. The engine holds the pool awake through each forward (`hold`), and so does
+    this measurement unless held=False: then the workers have gone to sleep and each call pays their wake-up."""
     _buf, blobs = make_cold_blobs(hidden, intermediate, jobs, dtype)
     x = torch.randn(jobs, hidden).to(dtype)
     out = torch.empty(jobs, hidden, dtype=torch.float32)
+    kernel.hold(60.0 if held else 0.0)
+    try:
+        median = _call_times(kernel, x, out, blobs, intermediate, jobs, repeats, gap_s)
+    finally:
+        kernel.hold(0.0)
+    return max(median[1] - (median[jobs] - median[1]) / (jobs - 1), 0.0)
+
+
+def _call_times(kernel, x, out, blobs, intermediate, jobs, repeats, gap_s) -> dict[int, float]:
     median = {}
     for n in (1, jobs):
         tok, offs = torch.arange(n, dtype=torch.int64), torch.arange(n + 1, dtype=torch.int64)
@@ -387,7 +406,7 @@ def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype
             if rep:
                 times.append(time.perf_counter() - t0)
         median[n] = sorted(times)[len(times) // 2]
-    return max(median[1] - (median[jobs] - median[1]) / (jobs - 1), 0.0)
+    return median
 
 
 def calibrate(kernel: CpuExpertKernel, hidden: int, intermediate: int, token_counts=(1, 2, 4, 8, 16, 32),

@@ -27,6 +27,9 @@ from .store import ExpertStore
 from .timer import SectionTimer
 
 
+HOLD_S = 1.0   # longest a forward keeps the CPU kernel's workers polling (end_forward ends it; this bounds an exception)
+
+
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None):
@@ -262,6 +265,8 @@ class ExpertManager:
     # ------------------------------------------------------------------------------------------ loop events
     def begin_forward(self, kind: str) -> None:
         self.stats.begin_forward(kind)
+        if self.cpu_kernel is not None:     # CPU jobs come once per layer: keep the workers awake until the end
+            self.cpu_kernel.hold(HOLD_S)
 
     def routing_mark(self) -> int:
         return len(self._routing_log)
@@ -278,6 +283,8 @@ class ExpertManager:
 
     def end_forward(self) -> None:
         """Record the static path's routing (one device-to-host transfer per forward)."""
+        if self.cpu_kernel is not None:
+            self.cpu_kernel.hold(0.0)
         if not self._routing_log:
             return
         layers = [layer for layer, _ in self._routing_log]
