@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # H200 benchmarks in stages, each under its own time limit so one slow stage cannot take the others' results with it:
 #   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
+#   wake   A/B of the CPU workers' wake modes (OLED_CPU_WAKE=layer|forward|off) on the CPU-using policies at 25 %;
+#          the fastest (sum of TPOT medians) is exported to the later stages of the call
 #   grid   the policy grid of DESIGN.md section 8 on llada2-mini shapes, one `oled bench` command: every policy at
 #          100/60/40/25 % (GRID_POLICIES narrows it)
 #   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
@@ -29,6 +31,18 @@ if has smoke; then
 fi
 GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} --workload code --prompts 1 --gen-length 256
       --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS"
+if has wake; then
+  best=""; best_ms=""
+  for mode in ${WAKE_MODES:-layer forward off}; do
+    OLED_CPU_WAKE=$mode timeout ${WAKE_S:-150} python3 -m oled.cli bench $GRID --budgets 0.25 \
+      --policies fiddler,tide,lru:misses=cooperative --no-profile --out $R/wake-$mode > $R/wake-$mode.log 2>&1
+    ms=$(python3 -c "import json,sys; print(sum(json.loads(l)['metrics']['tpot_ms']['median'] for l in open(sys.argv[1])))" \
+         $R/wake-$mode/results.jsonl 2>/dev/null)
+    echo "wake $mode: sum of TPOT medians ${ms:-failed} ms"
+    if [ -n "$ms" ] && { [ -z "$best" ] || python3 -c "import sys; sys.exit(not $ms < $best_ms)"; }; then best=$mode; best_ms=$ms; fi
+  done
+  [ -n "$best" ] && export OLED_CPU_WAKE=$best && echo "later stages: OLED_CPU_WAKE=$best"
+fi
 if has grid; then
   start=$(date +%s)
   timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative} \

@@ -175,10 +175,13 @@ def test_cooperative_with_the_measured_cost_model():
         make_llm("tiny", "tide", "0.25", misses="cooperative")
 
 
-def test_cpu_workers_are_held_awake_through_each_forward():
-    """With a CPU policy, every forward holds the kernel's workers awake (no wake-up per layer) and ends the hold."""
-    from oled.runtime.manager import HOLD_S
+@pytest.mark.parametrize("wake", ["layer", "forward", "off"])
+def test_cpu_workers_are_woken_ahead_of_the_calls(monkeypatch, wake):
+    """With a CPU policy the kernel's workers are woken before they are needed: at each offloaded layer's routing
+    read-back (layer, the default), or held through each forward (forward); tokens never depend on it."""
+    from oled.runtime.manager import FORWARD_HOLD_S, LAYER_HOLD_S
 
+    monkeypatch.setenv("OLED_CPU_WAKE", wake)
     llm = make_llm("tiny", "tide", "0.25")
     kernel = llm.engine.manager.cpu_kernel
     calls, hold = [], kernel.hold
@@ -188,7 +191,14 @@ def test_cpu_workers_are_held_awake_through_each_forward():
     finally:
         del kernel.hold
     forwards = out.counters["nfe"] + out.counters.get("cache_forwards", 0)
-    assert calls == [HOLD_S, 0.0] * forwards and forwards > 0
+    layers_run = len(llm.engine.manager.stats.records)
+    expect = {"layer": [LAYER_HOLD_S] * layers_run, "forward": [FORWARD_HOLD_S, 0.0] * forwards, "off": []}[wake]
+    assert calls == expect and forwards > 0 and layers_run > 0
+    monkeypatch.delenv("OLED_CPU_WAKE")
+    assert out.token_ids == make_llm("tiny", "tide", "0.25").generate(PROMPT, gen_length=32).token_ids
+    monkeypatch.setenv("OLED_CPU_WAKE", "sometimes")
+    with pytest.raises(ValueError, match="OLED_CPU_WAKE must be one of layer, forward, off"):
+        make_llm("tiny", "tide", "0.25")
 
 
 # ----------------------------------------------------------------------------------------------- logits, exact

@@ -8,6 +8,7 @@ With a static all-resident policy (`full`) there is nothing to decide and no hos
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,14 @@ from .store import ExpertStore
 from .timer import SectionTimer
 
 
-HOLD_S = 1.0   # longest a forward keeps the CPU kernel's workers polling (end_forward ends it; this bounds an exception)
+# How the CPU kernel's workers are ready for the engine's calls, one per layer with CPU work (OLED_CPU_WAKE):
+#   layer    woken when a layer's routing is read back, so that their wake-up overlaps the wait for the GPU; they
+#            poll for LAYER_HOLD_S, then sleep
+#   forward  polling through each forward (at most FORWARD_HOLD_S, which bounds an exception mid-forward)
+#   off      woken by each call
+WAKE_MODES = ("layer", "forward", "off")
+LAYER_HOLD_S = 0.001
+FORWARD_HOLD_S = 1.0
 
 
 class ExpertManager:
@@ -50,6 +58,9 @@ class ExpertManager:
         self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
                                   # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
+        self.cpu_wake = os.environ.get("OLED_CPU_WAKE", WAKE_MODES[0])
+        if self.cpu_wake not in WAKE_MODES:
+            raise ValueError(f"OLED_CPU_WAKE must be one of {', '.join(WAKE_MODES)}, got {self.cpu_wake!r}")
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
@@ -150,6 +161,8 @@ class ExpertManager:
         jobs, and put the first wave's slot of every pair (-1: served later) in a device tensor (slots_out if
         given: the buffer a replayed graph reads)."""
         T, k = ids.shape
+        if self.cpu_kernel is not None and self.cpu_wake == "layer":   # before the routing's round trip
+            self.cpu_kernel.hold(LAYER_HOLD_S)
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
         predicted = None
         if nxt is None:
@@ -265,8 +278,8 @@ class ExpertManager:
     # ------------------------------------------------------------------------------------------ loop events
     def begin_forward(self, kind: str) -> None:
         self.stats.begin_forward(kind)
-        if self.cpu_kernel is not None:     # CPU jobs come once per layer: keep the workers awake until the end
-            self.cpu_kernel.hold(HOLD_S)
+        if self.cpu_kernel is not None and self.cpu_wake == "forward":
+            self.cpu_kernel.hold(FORWARD_HOLD_S)
 
     def routing_mark(self) -> int:
         return len(self._routing_log)
@@ -283,7 +296,7 @@ class ExpertManager:
 
     def end_forward(self) -> None:
         """Record the static path's routing (one device-to-host transfer per forward)."""
-        if self.cpu_kernel is not None:
+        if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(0.0)
         if not self._routing_log:
             return
