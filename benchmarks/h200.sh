@@ -59,7 +59,7 @@ if has core; then
     --out $R/core_mini.json --trace $R/mini.trace --costs > $R/core.log 2>&1; echo "core rc=$?"; tail -60 $R/core.log
 fi
 if has tiny; then
-  timeout ${TINY_S:-270} python3 -m oled.cli bench --policies full,lru,lfu,prefetch,fiddler,tide \
+  timeout ${TINY_S:-300} python3 -m oled.cli bench --policies ${TINY_POLICIES:-full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative} \
     --budgets 1.0,0.6,0.4,0.25 --workload code --prompts ${TINY_PROMPTS:-2} --gen-length 128 --repeats 2 --no-progress $GRAPHS \
     --out $R/tiny-grid > $R/tiny-grid.log 2>&1; echo "tiny grid rc=$?"; tail -3 $R/tiny-grid.log
   python3 -m oled.cli bench --render $R/tiny-grid >> $R/tiny-grid.log 2>&1

@@ -29,8 +29,9 @@ from .timer import SectionTimer
 
 
 # How the CPU kernel's workers are ready for the engine's calls, one per layer with CPU work (OLED_CPU_WAKE):
-#   layer    woken when a layer's routing is read back, so that their wake-up overlaps the wait for the GPU; they
-#            poll for LAYER_HOLD_S, then sleep
+#   layer    woken when a layer's routing is read back, so that their wake-up overlaps the wait for the GPU, if the
+#            layer had CPU work the last time it ran (waking them for nothing slows the main thread); they poll for
+#            LAYER_HOLD_S, then sleep
 #   forward  polling through each forward (at most FORWARD_HOLD_S, which bounds an exception mid-forward)
 #   off      woken by each call
 WAKE_MODES = ("layer", "forward", "off")
@@ -58,6 +59,7 @@ class ExpertManager:
         self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
                                   # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
+        self._cpu_last_time: dict[int, bool] = {}           # layer -> it had CPU work the last time it ran
         self.cpu_wake = os.environ.get("OLED_CPU_WAKE", WAKE_MODES[0])
         if self.cpu_wake not in WAKE_MODES:
             raise ValueError(f"OLED_CPU_WAKE must be one of {', '.join(WAKE_MODES)}, got {self.cpu_wake!r}")
@@ -161,8 +163,8 @@ class ExpertManager:
         jobs, and put the first wave's slot of every pair (-1: served later) in a device tensor (slots_out if
         given: the buffer a replayed graph reads)."""
         T, k = ids.shape
-        if self.cpu_kernel is not None and self.cpu_wake == "layer":   # before the routing's round trip
-            self.cpu_kernel.hold(LAYER_HOLD_S)
+        if self.cpu_kernel is not None and self.cpu_wake == "layer" and self._cpu_last_time.get(layer, True):
+            self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's round trip
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
         predicted = None
         if nxt is None:
@@ -175,6 +177,7 @@ class ExpertManager:
             both = torch.cat([ids.reshape(-1), ids_next.reshape(-1).to(ids.dtype)]).cpu().numpy()
             flat, predicted = both[: T * k], both[T * k:]
         step = self.residency.begin_layer(layer, flat)
+        self._cpu_last_time[layer] = bool(step.plan.cpu)
         cpu_job = None
         if step.plan.cpu:
             cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu, copying=bool(step.plan.load))
