@@ -210,3 +210,21 @@ def test_hold_keeps_workers_polling_until_its_deadline():
     run_and_check(k, 96, 40, [2, 7, 1], torch.bfloat16, 1e-2)
     assert cpu_seconds_over(0.3, hold=0.0) < 0.1                 # ended early
     k.close()
+
+
+def test_run_returns_the_kernels_own_time(fast):
+    """run() returns the seconds spent inside the kernel call: positive, within the caller's wall time around it,
+    and 0 for an empty batch (what the runtime records as each CPU job's measured time)."""
+    import time
+
+    H, I = 256, 128
+    blobs = [(torch.randn(3 * H * I) * 0.05).to(torch.bfloat16) for _ in range(3)]
+    x = torch.randn(4, H).to(torch.bfloat16)
+    tok, offs = torch.tensor([0, 1, 2, 3, 0, 1]), torch.tensor([0, 2, 4, 6])
+    out = torch.empty(6, H)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        inside = fast.run(x, tok, offs, blobs, I, out)
+        wall = time.perf_counter() - t0
+        assert 0 < inside <= wall
+    assert fast.run(x, tok[:0], torch.tensor([0]), [], I, torch.empty(0, H)) == 0.0

@@ -171,6 +171,7 @@ typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t done;  /* futex: set to gen by the last worker */
     _Alignas(CACHE_LINE) _Atomic int remaining;
     _Alignas(CACHE_LINE) _Atomic int sleepers;   /* workers inside futex_wait(gen) */
+    _Alignas(CACHE_LINE) int64_t last_ns;        /* duration of the last oled_run, inside the library */
     _Alignas(CACHE_LINE) _Atomic int64_t hold_until; /* now_ns() until which idle workers poll instead of sleeping */
     _Alignas(CACHE_LINE) _Atomic int bar_cnt;
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_gen;
@@ -910,6 +911,10 @@ void oled_pool_hold(void *handle, int64_t hold_ns) {
     if (hold_ns > 0 && atomic_load(&p->sleepers) > 0) futex_wake_all(&p->gen);
 }
 
+/* Nanoseconds the last oled_run on this pool took, from its entry to the last worker's finish (0 if it failed or
+ * had nothing to do): the kernel's own time, without the caller's dispatch or its wait to run again afterwards. */
+int64_t oled_pool_last_ns(void *handle) { return ((pool_t *)handle)->last_ns; }
+
 /* Number of workers that pinned themselves (valid once they have run a task). */
 int oled_pool_pinned(void *handle) { return atomic_load(&((pool_t *)handle)->pinned); }
 
@@ -940,7 +945,9 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
              int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
              int64_t amx_min, int chunks_per_thread) {
     pool_t *p = (pool_t *)handle;
+    int64_t t_start = now_ns();
     if (!p || H <= 0 || I <= 0 || P < 0 || J < 0 || T < 0) return -1;
+    p->last_ns = 0;
     if (J == 0 || P == 0) return (J == 0 && P != 0) ? -1 : 0;
     if (off[0] != 0 || off[J] != P) return -1;
     for (int64_t j = 0; j < J; j++) {
@@ -997,5 +1004,6 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
     /* the caller sleeps on its own futex after a short spin: it is a Python thread, not one of the pinned cores */
     for (uint32_t d; (d = atomic_load_explicit(&p->done, memory_order_acquire)) != g;)
         wait_change(&p->done, d, 20000, NULL, NULL);
+    p->last_ns = now_ns() - t_start;
     return 0;
 }

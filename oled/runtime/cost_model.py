@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 
-COST_MODEL_VERSION = 4   # part of the cache key: a model measured by older code is measured again
+COST_MODEL_VERSION = 5   # part of the cache key: a model measured by older code is measured again
 
 
 @dataclass
@@ -127,17 +128,20 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
         import threading
 
         stop = threading.Event()
-        layer, dst = store.layers[0], torch.empty(n, store.numel, dtype=store.dtype, device=device)
+        # Whole layers of experts per copy, enough layers for a few ms per round, then a blocking wait: the thread
+        # sleeps while the copies run and takes the GIL only to launch a handful of them, so what is timed is the
+        # DRAM both read, not this thread's Python (many small launches held the GIL: x37 with 48 KiB experts).
+        m = max(1, min(store.config.num_experts, 2**30 // store.expert_bytes))     # at most 1 GiB per copy
+        rounds = max(1, min(len(store.blobs), math.ceil(0.005 * h2d * 1e9 / (m * store.expert_bytes))))
+        sources = [b[:m] for b in store.blobs[:rounds]]
+        dst = torch.empty_like(sources[0], device=device)
         stream = torch.cuda.Stream(device)
 
         def copies():
-            # a few ms of copies queued at a time, then a blocking wait: this thread sleeps while they run, as the
-            # engine's main thread does not spin on the copies either, so the CPU kernel's threads keep their cores
             while not stop.is_set():
                 with torch.cuda.stream(stream):
-                    for _ in range(4):
-                        for i in range(n):
-                            dst[i].copy_(store.blob(layer, i), non_blocking=True)
+                    for src in sources:
+                        dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(blocking=True)
                 done.record(stream)
                 done.synchronize()

@@ -205,6 +205,8 @@ def _load_library() -> ctypes.CDLL | None:
         lib.oled_pool_create.argtypes = [I32, P, I64]
         lib.oled_pool_destroy.restype = None
         lib.oled_pool_destroy.argtypes = [P]
+        lib.oled_pool_last_ns.restype = I64
+        lib.oled_pool_last_ns.argtypes = [P]
         lib.oled_pool_hold.restype = None
         lib.oled_pool_hold.argtypes = [P, I64]
         lib.oled_pool_pinned.restype = I32
@@ -288,8 +290,9 @@ class CpuExpertKernel:
                 self._finalizer()
                 self._pool = None
 
-    def run(self, x, token_idx, job_offsets, blobs, intermediate: int, out) -> None:
+    def run(self, x, token_idx, job_offsets, blobs, intermediate: int, out) -> float:
         """out[p] = down(silu(gate(x[token_idx[p]])) * up(x[token_idx[p]])) for the tokens of each job, fp32.
+        Returns the kernel's own seconds (timed inside the library: not the caller's wait to run again after it).
 
         x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down;
         out [P,H] fp32. All contiguous CPU tensors.
@@ -307,7 +310,7 @@ class CpuExpertKernel:
         if out.dtype != torch.float32 or tuple(out.shape) != (P, H) or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous fp32 [{P}, {H}] tensor")
         if J == 0 or P == 0:
-            return
+            return 0.0
         wdtype = blobs[0].dtype
         E = 3 * I * H
         for b in blobs:
@@ -316,7 +319,9 @@ class CpuExpertKernel:
         if wdtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"unsupported blob dtype {wdtype}")
         if self._lib is None:
-            return _torch_run(x, token_idx, job_offsets, blobs, I, out)
+            t0 = time.perf_counter()
+            _torch_run(x, token_idx, job_offsets, blobs, I, out)
+            return time.perf_counter() - t0
         token_idx = token_idx.contiguous()
         job_offsets = job_offsets.contiguous()
         ptrs = (ctypes.c_int64 * J)(*[b.data_ptr() for b in blobs])
@@ -329,8 +334,10 @@ class CpuExpertKernel:
                 self._pool, mode, x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, token_idx.data_ptr(), P,
                 job_offsets.data_ptr(), J, ctypes.addressof(ptrs), int(wdtype == torch.bfloat16), out.data_ptr(),
                 _TOKEN_COST_256THS, self.amx_min_tokens, self._chunks)
+            seconds = self._lib.oled_pool_last_ns(self._pool) / 1e9
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
+        return seconds
 
     def hold(self, seconds: float) -> None:
         """Keep the idle workers polling for the next `seconds` (0: let them sleep after the usual short spin). A hold
