@@ -115,8 +115,8 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     n = 16
     h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
     # calibrate() times back-to-back calls of 8 experts: take that call's share out of its per-expert times; the
-    # engine calls the kernel once per layer, ms apart, with the workers held awake through the forward: the time of
-    # such a call is the model's
+    # engine calls the kernel once per layer, ms apart, after waking the workers (manager.py, OLED_CPU_WAKE): the
+    # time of such a call is the model's
     jobs = 8
     back_to_back = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs, gap_s=0.0)
     call = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs)

@@ -341,9 +341,9 @@ class CpuExpertKernel:
 
     def hold(self, seconds: float) -> None:
         """Keep the idle workers polling for the next `seconds` (0: let them sleep after the usual short spin). A hold
-        wakes sleeping workers at once: the engine holds the pool through each forward, so that the wake-up (hundreds
-        of µs for 15 threads on a virtual machine) overlaps the forward's GPU work instead of delaying each layer's
-        call. The deadline bounds the polling if a forward never ends (an exception)."""
+        wakes sleeping workers at once, so that their wake-up (hundreds of µs for 15 threads on a virtual machine)
+        overlaps the caller's other work instead of delaying its next call: the engine calls it ahead of a layer's
+        CPU job (OLED_CPU_WAKE in runtime/manager.py). The deadline bounds the polling if a hold is never ended."""
         if self._lib is not None and self._pool is not None:
             self._lib.oled_pool_hold(self._pool, int(seconds * 1e9))
 
@@ -387,8 +387,8 @@ def call_overhead(kernel: CpuExpertKernel, hidden: int, intermediate: int, dtype
     """Fixed seconds per kernel call (waking the workers and joining them), from one-token calls over 1 and over
     `jobs` experts: t(n) = call + n * expert, so call = t(1) - (t(jobs) - t(1)) / (jobs - 1). Warm weights: the
     difference takes the per-expert time out whatever it is. Each call comes `gap_s` after the previous one, as
-    the engine's calls come once per layer. The engine holds the pool awake through each forward (`hold`), and so does
-    this measurement unless held=False: then the workers have gone to sleep and each call pays their wake-up."""
+    the engine's calls come once per layer. The engine wakes the workers before each call (`hold`), and so does this
+    measurement unless held=False: then the workers have gone to sleep and each call pays their wake-up."""
     _buf, blobs = make_cold_blobs(hidden, intermediate, jobs, dtype)
     x = torch.randn(jobs, hidden).to(dtype)
     out = torch.empty(jobs, hidden, dtype=torch.float32)
