@@ -13,8 +13,8 @@ class EngineConfig:
     device: str | None = None             # default: cuda if available, else cpu
     dtype: str | None = None              # default: bfloat16 on cuda, float32 on cpu
     expert_budget: str = "1.0"            # fraction (0.4), percentage (40%) or size (12GiB) of routed-expert bytes
-    policy: str = "lru"
-    misses: str | None = None             # lru, lfu, prefetch: "load" (default) or "cooperative" (planner + CPU)
+    policy: str = "oled"                  # oled/policies: oled (default), oled-retain, oled-coop, or a baseline
+    misses: str | None = None             # lru, lfu, prefetch, oled-coop: "load" or "cooperative" (planner + CPU)
     tide_tau: int | None = None           # tide: refresh period in iterations
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus one)

@@ -13,7 +13,7 @@ from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict
-from .policies import POLICIES, make_policy
+from .policies import POLICIES, make_policy, policy_options
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
 from .runtime.manager import ExpertManager
@@ -43,10 +43,9 @@ def default_model_dir() -> Path:
 class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = False):
         self.cfg = cfg
-        if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in getattr(POLICIES[cfg.policy],
-                                                                                        "options", ()):
-            raise ValueError(f"--misses applies to lru, lfu and prefetch; policy {cfg.policy!r} decides its misses "
-                             "itself")
+        if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
+            raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
+                             "its misses itself")
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype_name not in DTYPES:

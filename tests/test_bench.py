@@ -36,12 +36,18 @@ def test_json_lines_carry_every_field(live):
     cfg, rows = live
     lines = [json.loads(x) for x in open(f"{cfg.out}/results.jsonl")]
     assert lines == json.loads(json.dumps(rows, default=str))
-    # full runs at 100 % only; every other policy at every budget
-    assert sorted((r["policy"], r["budget"]) for r in lines) == [("full", "1.0"), ("lfu", "0.5"), ("lfu", "1.0"),
+    # full runs at 100 % only; every other policy at every budget; the bound (belady) beside them, not timed
+    assert sorted((r["policy"], r["budget"]) for r in lines) == [("belady", "0.5"), ("belady", "1.0"),
+                                                                ("full", "1.0"), ("lfu", "0.5"), ("lfu", "1.0"),
                                                                 ("lru", "0.5"), ("lru", "1.0")]
+    bound = [r for r in lines if r["policy"] == "belady"]
+    assert all(r["mode"] == "bound" and r["metrics"]["tpot_ms"]["median"] is None for r in bound)
+    loads = {(r["policy"], r["budget"]): r["stats_totals"]["loads"] for r in lines}
+    assert loads[("belady", "0.5")] > loads[("belady", "1.0")] > 0                 # cold misses, then evictions
     for r in lines:
         for key in TOP_LEVEL:
             assert key in r, key
+    for r in (r for r in lines if r["mode"] != "bound"):
         assert r["label"] == "CPU" and r["mode"] == "live" and r["status"] == "ok"
         assert set(r["metrics"]) == set(METRICS)
         for name, m in r["metrics"].items():
@@ -161,8 +167,10 @@ def test_replay_grid(tmp_path):
                           budgets=["0.5", "0.25"]))
     by = {(r["policy"], r["budget"]): r for r in rows}
     assert set(by) == {("full", "1.0"), ("lru", "0.5"), ("lru", "0.25"), ("lfu", "0.5"), ("lfu", "0.25"),
-                       ("fiddler", "0.5"), ("fiddler", "0.25")}
+                       ("fiddler", "0.5"), ("fiddler", "0.25"), ("belady", "0.5"), ("belady", "0.25")}
     assert all(r["mode"] == "replay" and r["metrics"]["tpot_ms"]["median"] is None for r in rows)
+    for b in ("0.5", "0.25"):       # the bound: no retention loads fewer experts on this routing
+        assert by[("belady", b)]["stats_totals"]["loads"] <= by[("lru", b)]["stats_totals"]["loads"]
     assert by[("lru", "0.5")]["metrics"]["hit_rate_tokens"]["median"] == live["hit_rate_tokens"]
     assert by[("fiddler", "0.25")]["metrics"]["cpu_pairs_per_iteration"]["median"] > 0
     report = (tmp_path / "bench" / "report.md").read_text()
@@ -171,13 +179,13 @@ def test_replay_grid(tmp_path):
     # cooperative misses plan on a cost model: the trace of a GPU-only run has none, so the cell is skipped with the
     # reason; given one (--cost-model FILE), it runs and computes misses on the CPU
     coop = ["lru:misses=cooperative"]
-    assert run_bench(_cfg(tmp_path / "none", replay=str(path), policies=coop, budgets=["0.25"])) == []
+    assert run_bench(_cfg(tmp_path / "none", replay=str(path), policies=coop, budgets=["0.25"], bound=False)) == []
     (reason,) = [json.loads(x)["reason"] for x in open(tmp_path / "none" / "bench" / "skipped.jsonl")]
     assert "cost model" in reason
     cost_file = tmp_path / "costs.json"
     cost_file.write_text(balanced_costs(engine.store.expert_bytes).to_json())
     (row,) = run_bench(_cfg(tmp_path / "given", replay=str(path), policies=coop, budgets=["0.25"],
-                            cost_model=str(cost_file)))
+                            cost_model=str(cost_file), bound=False))
     assert row["policy_label"] == "lru(misses=cooperative)"
     m = {k: v["median"] for k, v in row["metrics"].items()}
     assert m["cpu_pairs_per_iteration"] > 0 and m["h2d_gb_per_iteration"] > 0
@@ -187,7 +195,7 @@ def test_unmet_requirements_are_skipped_with_a_reason(tmp_path):
     cfg = _cfg(tmp_path, policies=["lru", "fiddler"], budgets=["0.5", "0.01"],
                popularity=str(tmp_path / "missing.json"), profile=False)
     rows = run_bench(cfg)
-    assert [(r["policy"], r["budget"]) for r in rows] == [("lru", "0.5")]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("lru", "0.5"), ("belady", "0.5")]
     skipped = [json.loads(x) for x in open(f"{cfg.out}/skipped.jsonl")]
     reasons = {(s["policy"], s["budget"]): s["reason"] for s in skipped}
     assert "too small" in reasons[("*", "0.01")]

@@ -85,7 +85,7 @@ def test_serve_rejects_a_bad_model():
 
 @pytest.mark.parametrize("args, message", [
     (["--port", "abc"], "argument --port: invalid int value"),
-    (["--random-weights", "tiny", "--policy", "oled"], "unknown policy 'oled'"),
+    (["--random-weights", "tiny", "--policy", "mru"], "unknown policy 'mru'"),
     (["--random-weights", "no-such-preset"], "unknown preset"),
     (["--random-weights", "tiny", "--port", "70000"], "--port must be between 0 and 65535"),
     (["--random-weights", "tiny", "--max-queue", "-1"], "--max-queue must be >= 0"),

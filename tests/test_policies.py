@@ -1,6 +1,6 @@
 """Policies: eviction orders (lru, lfu), prefetch predictions, tide refreshes, fiddler placement and `oled calibrate`.
 
-Policies are driven directly (PolicyContext + on_access/victim/plan calls) and through the ExpertManager of a tiny
+Policies are driven directly (PolicyContext + layer events in, decisions out) and through the ExpertManager of a tiny
 random-weights model with scripted routing (manager.run with chosen expert ids), checking the cache's bookkeeping
 and that the layer output stays the mixture of the routed experts wherever they ran.
 """
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import oled
 from oled.cli import main as cli_main
 from oled.models.router import sigmoid_group_route, softmax_route
-from oled.policies import POLICIES, IterationEvent, LayerPlan, PolicyContext, make_policy
+from oled.policies import (POLICIES, ForwardInfo, IterationEvent, LayerEvent, PolicyContext, make_policy,
+                           policy_class)
 from oled.policies.fiddler import FiddlerPolicy, load_popularity, popularity_document
 from oled.policies.lfu import LFUPolicy
 from oled.policies.lru import LRUPolicy
@@ -36,6 +37,32 @@ def event(step, iteration, block_done=False, block=0) -> IterationEvent:
     n = 4
     return IterationEvent(block=block, step=step, iteration=iteration, state=np.ones(n, np.int8),
                           confidence=np.zeros(n), block_done=block_done)
+
+
+def layer_event(layer, demand, resident, predicted=None, next_resident=None) -> LayerEvent:
+    """A layer's event with `demand` (expert -> rows, one expert per row) and the given resident set."""
+    ids = np.array([[e] for e, n in demand.items() for _ in range(n)], dtype=np.int64).reshape(-1, 1)
+    info = ForwardInfo(kind="iteration", start=0, tokens=len(ids), block_start=0, block_length=max(len(ids), 1))
+    ev = LayerEvent(layer=layer, forward=info, ids=ids, weights=np.ones(ids.shape, np.float32), demand=dict(demand),
+                    resident=set(resident))
+    if predicted is not None:
+        ev.predicted, ev.next_layer, ev.next_resident = predicted, layer + 1, set(next_resident)
+    return ev
+
+
+def use(p, layer, demand):
+    """The layer ran with every expert of `demand` resident."""
+    return p.decide(layer_event(layer, demand, set(demand)))
+
+
+def first(candidates, order):
+    """The expert an eviction order evicts first among the candidates (None: it evicts none of them)."""
+    return next((e for e in order if e in set(candidates)), None)
+
+
+def victim(p, layer, candidates):
+    p.touch(layer)
+    return first(candidates, p.eviction_order(layer, set(candidates)))
 
 
 # ----------------------------------------------------------------------------------------- scripted manager runs
@@ -64,7 +91,8 @@ def scripted_run(manager, layer, rows, seed=0):
     """Run one MoE layer with the given routing; check the output against a direct computation."""
     ids, w = routing(rows)
     x = torch.randn(ids.shape[0], manager.hidden, generator=torch.Generator().manual_seed(seed))
-    manager.begin_forward("iteration")
+    manager.begin_forward(ForwardInfo(kind="iteration", start=0, tokens=ids.shape[0], block_start=0,
+                                      block_length=ids.shape[0]))
     y = manager.run(layer, x, ids, w)
     torch.testing.assert_close(y.float(), moe_ref(manager.store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
     return manager.stats.records[-1]
@@ -80,9 +108,10 @@ def tiny(policy, budget, **kw):
 
 # ---------------------------------------------------------------------------------------------------- registry
 def test_registry_names_and_options():
-    assert {"full", "lru", "lfu", "prefetch", "fiddler", "tide"} <= set(POLICIES)
-    for name, cls in POLICIES.items():
-        assert cls.name == name
+    assert {"full", "lru", "lfu", "prefetch", "fiddler", "tide", "oled", "oled-retain", "oled-coop",
+            "belady"} <= set(POLICIES)
+    for name in POLICIES:
+        assert make_policy(name, popularity={1: {0: 1}}).name == name
     assert make_policy("tide").tau == 4                                   # default
     assert make_policy("tide", tau=None, popularity=None).tau == 4        # unset options are not passed
     assert make_policy("tide", tau=2, popularity="ignored.json").tau == 2
@@ -90,15 +119,16 @@ def test_registry_names_and_options():
     assert make_policy("prefetch").wants_prediction and isinstance(make_policy("prefetch"), LRUPolicy)
     assert make_policy("fiddler", popularity={1: {0: 1}}).uses_cpu
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("belady")
+        make_policy("mru")
     for bad in (0, -1, 1.5, "x"):
         with pytest.raises(ValueError):
             make_policy("tide", tau=bad)
 
 
 def test_gpu_only_and_cpu_policies_declare_it():
-    assert not any(POLICIES[p].uses_cpu for p in ("full", "lru", "lfu", "prefetch"))
-    assert all(POLICIES[p].uses_cpu for p in ("fiddler", "tide"))
+    assert not any(policy_class(p).uses_cpu for p in ("full", "lru", "lfu", "prefetch", "belady"))
+    assert not make_policy("oled-retain").uses_cpu
+    assert all(make_policy(p, popularity={1: {0: 1}}).uses_cpu for p in ("fiddler", "tide", "oled", "oled-coop"))
 
 
 # ------------------------------------------------------------------------------------------------- lru / lfu
@@ -106,32 +136,32 @@ def test_lru_eviction_order_direct():
     p = LRUPolicy()
     p.setup(ctx(capacity=3))
     for demand in ({0: 1}, {1: 1}, {2: 1}):
-        p.on_access(1, demand)
-    assert p.victim(1, [0, 1, 2]) == 0
-    p.on_access(1, {0: 5})                 # 0 becomes the most recent
-    assert p.victim(1, [0, 1, 2]) == 1
-    assert p.victim(1, [0, 2]) == 2        # the victim is always one of the candidates
-    p.on_access(1, {1: 1, 2: 1})           # used together: same clock, ties by lower id
-    assert p.victim(1, [0, 1, 2]) == 0
-    assert p.victim(1, [1, 2]) == 1
-    assert p.victim(1, [7, 1]) == 7        # never used goes first
-    assert p.victim(1, [9, 7]) == 7
-    p.on_access(2, {5: 1})                 # other layers have their own history
-    assert p.victim(1, [0, 1]) == 0 and p.victim(2, [5, 0]) == 0
+        use(p, 1, demand)
+    assert victim(p, 1, [0, 1, 2]) == 0
+    use(p, 1, {0: 5})                 # 0 becomes the most recent
+    assert victim(p, 1, [0, 1, 2]) == 1
+    assert victim(p, 1, [0, 2]) == 2        # the victim is always one of the candidates
+    use(p, 1, {1: 1, 2: 1})           # used together: same clock, ties by lower id
+    assert victim(p, 1, [0, 1, 2]) == 0
+    assert victim(p, 1, [1, 2]) == 1
+    assert victim(p, 1, [7, 1]) == 7        # never used goes first
+    assert victim(p, 1, [9, 7]) == 7
+    use(p, 2, {5: 1})                 # other layers have their own history
+    assert victim(p, 1, [0, 1]) == 0 and victim(p, 2, [5, 0]) == 0
 
 
 def test_lfu_eviction_order_direct():
     p = LFUPolicy()
     p.setup(ctx(capacity=3))
     for demand in ({0: 1}, {0: 1}, {0: 1}, {1: 1}, {1: 1}, {2: 9}):   # uses: 0x3, 1x2, 2x1 (tokens do not count)
-        p.on_access(1, demand)
-    assert p.victim(1, [0, 1, 2]) == 2
-    p.on_access(1, {2: 1})
-    p.on_access(1, {2: 1})                 # 2 now 3 uses, most recent
-    assert p.victim(1, [0, 1, 2]) == 1
-    p.on_access(1, {1: 1})                 # all 3 uses: least recently used among equals
-    assert p.victim(1, [0, 1, 2]) == 0
-    assert p.victim(1, [0, 1, 2, 6]) == 6  # never used: 0 uses
+        use(p, 1, demand)
+    assert victim(p, 1, [0, 1, 2]) == 2
+    use(p, 1, {2: 1})
+    use(p, 1, {2: 1})                 # 2 now 3 uses, most recent
+    assert victim(p, 1, [0, 1, 2]) == 1
+    use(p, 1, {1: 1})                 # all 3 uses: least recently used among equals
+    assert victim(p, 1, [0, 1, 2]) == 0
+    assert victim(p, 1, [0, 1, 2, 6]) == 6  # never used: 0 uses
 
 
 def test_lru_through_the_manager():
@@ -183,18 +213,21 @@ def test_waves_when_a_layer_needs_more_experts_than_slots():
 def test_prefetch_policy_direct():
     p = PrefetchPolicy()
     p.setup(ctx(capacity=3))
-    wanted = p.prefetch(2, {5: 4, 7: 1, 9: 3, 11: 2}, {9, 1})
-    assert wanted == [5, 11]                           # top-3 predicted by tokens, minus the resident 9
+    use(p, 2, {9: 1})
+    use(p, 2, {1: 1})                                   # 9 is now the least recently used of layer 2
+    d = p.decide(layer_event(1, {0: 1}, {0}, predicted={5: 4, 7: 1, 9: 3, 11: 2}, next_resident={9, 1}))
+    assert d.prefetch == [5, 11]                       # top-3 predicted by tokens, minus the resident 9
     assert p.predicted[2] == {5, 9, 11}
-    assert p.victim(2, [9, 1]) == 1                    # a predicted expert is evicted last ...
-    p.on_access(2, {9: 1})
-    p.on_access(2, {1: 1})
-    assert p.victim(2, [9, 1]) == 1                    # ... even when it is the least recently used
-    assert p.victim(2, [9, 11]) == 11                  # among predicted ones: LRU (11 never used)
-    assert p.plan(2, {9: 2, 3: 1}, {9, 5, 11}) == LayerPlan(load=[3])    # misses load on demand
+    assert first([9, 1], d.prefetch_evict) == 1        # a predicted expert is evicted last, even when it is LRU
+    assert victim(p, 2, [9, 1]) == 1
+    assert victim(p, 2, [9, 11]) == 11                  # among predicted ones: LRU (11 never used)
+    d = p.decide(layer_event(2, {9: 2, 3: 1}, {9, 5, 11}))
+    assert (d.load, d.cpu, d.prefetch) == ([3], [], [])                   # misses load on demand
     assert p.predicted[2] == set()                     # the real routing replaced the prediction
-    assert p.victim(2, [9, 1]) == 9                    # plain LRU again
-    assert p.prefetch(1, {0: 1, 1: 1, 2: 1, 3: 1}, set()) == [0, 1, 2]   # at most `capacity`, ties by id
+    assert list(d.evict) == [3, 5, 11, 9]              # the layer's own order: never used first (by id), then LRU
+    assert victim(p, 2, [9, 1]) == 1                    # plain LRU again: 9 was just used
+    d = p.decide(layer_event(1, {0: 1}, {0}, predicted={0: 1, 1: 1, 2: 1, 3: 1}, next_resident=set()))
+    assert d.prefetch == [0, 1, 2]                                          # at most `capacity`, ties by id
 
 
 def _router_kwargs(config):
@@ -214,21 +247,19 @@ def test_prefetch_predicts_with_the_next_layers_router(preset):
         assert m.predictors[layer] == blocks[layer].route          # bound method of that layer's MoEBlock
 
     log = []                                                     # ("run", layer, x) and ("prefetch", layer, ...)
-    run, prefetch, plan = m.run, pol.prefetch, pol.plan
+    run, decide = m.run, pol.decide
     predictor_calls = []
 
     def spy_run(layer, x, ids, w):
         log.append(("run", layer, x.detach().clone()))
         return run(layer, x, ids, w)
 
-    def spy_prefetch(layer, predicted, res):
-        log.append(("prefetch", layer, dict(predicted), set(res)))
-        return prefetch(layer, predicted, res)
-
-    def spy_plan(layer, demand, res):
+    def spy_decide(event):
         # everything prefetched for this layer (the top-capacity prediction) is resident when it runs
-        assert pol.predicted[layer] <= res, (layer, pol.predicted[layer], res)
-        return plan(layer, demand, res)
+        assert pol.predicted[event.layer] <= event.resident, (event.layer, pol.predicted[event.layer])
+        if event.predicted is not None:
+            log.append(("prefetch", event.next_layer, dict(event.predicted), set(event.next_resident)))
+        return decide(event)
 
     def spy_predictor(layer):
         def f(x):
@@ -236,7 +267,7 @@ def test_prefetch_predicts_with_the_next_layers_router(preset):
             return blocks[layer].route(x)
         return f
 
-    m.run, pol.prefetch, pol.plan = spy_run, spy_prefetch, spy_plan
+    m.run, pol.decide = spy_run, spy_decide
     for layer in layers:
         m.predictors[layer] = spy_predictor(layer)
     llm.generate("hello world, how are you", gen_length=40)
@@ -295,27 +326,24 @@ def test_tide_plan_at_refresh_and_between():
     p.on_request_start()
     demand = {4: 5, 1: 2, 7: 5, 2: 2, 9: 1}
     # refresh: desired = top-3 by tokens, ties by lower id: 4, 7 (5 each), then 1 (2, before 2)
-    plan = p.plan(1, demand, {9, 3})
+    plan = p.decide(layer_event(1, demand, {9, 3}))
     assert plan.load == [4, 7, 1] and sorted(plan.cpu) == [2]
     # victims: outside `desired`, fewest current tokens first (3 has none, 9 has 1); desired ones never
-    assert p.victim(1, [9, 3]) == 3
-    assert p.victim(1, [9, 4, 7]) == 9
-    assert p.victim(1, [9, 2]) == 9                     # 2 tokens > 1 token
-    plan = p.plan(1, {4: 1, 7: 1}, {4, 7, 1})           # desired all resident: nothing moves
-    assert plan == LayerPlan(load=[], cpu=[])
+    assert list(plan.evict) == [3, 9]
+    plan = p.decide(layer_event(1, {4: 1, 7: 1}, {4, 7, 1}))      # desired all resident: nothing moves
+    assert (plan.load, plan.cpu) == ([], [])
     p.on_iteration(event(0, 0))                         # block_step 1: between refreshes
     assert not p.refresh_due()
-    plan = p.plan(1, {5: 9, 6: 9, 4: 1}, {4, 7, 1})
+    plan = p.decide(layer_event(1, {5: 9, 6: 9, 4: 1}, {4, 7, 1}))
     assert plan.load == [] and sorted(plan.cpu) == [5, 6]
-    with pytest.raises(RuntimeError):
-        p.victim(1, [4])                                # no loads between refreshes
+    assert list(plan.evict) == []                       # no loads between refreshes, nothing to evict
     p.on_iteration(event(1, 1))                         # block_step 2: refresh again
-    plan = p.plan(1, {5: 9, 6: 9, 4: 1, 8: 1}, {4, 7, 1})
+    plan = p.decide(layer_event(1, {5: 9, 6: 9, 4: 1, 8: 1}, {4, 7, 1}))
     assert plan.load == [5, 6] and sorted(plan.cpu) == [8] and p.refreshes[1] == 3
     p.on_iteration(event(2, 2, block_done=True))        # next block's first iteration
     assert p.refresh_due()
-    plan = p.plan(2, {3: 1}, set())                     # fewer experts than slots: all of them
-    assert plan == LayerPlan(load=[3], cpu=[])
+    plan = p.decide(layer_event(2, {3: 1}, set()))      # fewer experts than slots: all of them
+    assert (plan.load, plan.cpu) == ([3], [])
 
 
 def test_tide_through_the_manager():
@@ -397,10 +425,9 @@ def test_fiddler_placement_and_plan():
     p.setup(ctx(capacity=3))
     assert p.initial_placement(1) == [5, 7, 0]                        # top-3, ties by lower id
     assert p.initial_placement(2) == [15, 0, 1]                        # unseen experts rank last, by id
-    plan = p.plan(1, {5: 2, 9: 1, 4: 3}, {5, 7, 0})
+    plan = p.decide(layer_event(1, {5: 2, 9: 1, 4: 3}, {5, 7, 0}))
     assert plan.load == [] and sorted(plan.cpu) == [4, 9]              # every miss on the CPU, never a load
-    with pytest.raises(RuntimeError):
-        p.victim(1, [5])
+    assert list(plan.evict) == []
     with pytest.raises(ValueError, match="layer"):
         FiddlerPolicy(popularity={1: {0: 1}}).setup(ctx())             # no data for layer 2
     with pytest.raises(ValueError, match="experts"):

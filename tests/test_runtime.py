@@ -1,8 +1,8 @@
 """The offload runtime end to end on tiny random-weights models (CPU, fp32):
 
 - the expert budget is never exceeded, after every layer and after every single insert, waves included;
-- every GPU-only policy (lru, lfu, prefetch) gives bit-identical logits and tokens to `full`;
-- the CPU-using policies (fiddler, tide) give the same tokens as `full` (their CPU kernel sums in another order, so
+- every GPU-only policy (lru, lfu, prefetch, oled-retain) gives bit-identical logits and tokens to `full`;
+- the CPU-using policies (fiddler, tide, oled, oled-coop) give the same tokens as `full` (their CPU kernel sums in another order, so
   logits agree to rounding only);
 - the manager refuses policies that break its contract.
 """
@@ -14,7 +14,7 @@ import torch
 
 import oled
 from oled.decoding.kv_cache import KVCache
-from oled.policies import make_policy
+from oled.policies import ForwardInfo, make_policy
 from oled.policies.lru import LRUPolicy
 from oled.runtime.budget import parse_budget
 from oled.runtime.manager import ExpertManager
@@ -22,8 +22,8 @@ from oled.runtime.manager import ExpertManager
 from .costs import balanced_costs
 
 PRESETS = ["tiny", "tiny-lladamoe"]          # llada2_moe (2 MoE layers, 16 experts, top-4); lladamoe (2, 8, top-2)
-GPU_POLICIES = ["lru", "lfu", "prefetch"]
-CPU_POLICIES = ["fiddler", "tide"]
+GPU_POLICIES = ["lru", "lfu", "prefetch", "oled-retain"]
+CPU_POLICIES = ["fiddler", "tide", "oled", "oled-coop"]
 PROMPT = "hello world, how are you today?"
 GEN = dict(gen_length=48)                    # two blocks of 32 (the second partly past the end)
 
@@ -102,13 +102,13 @@ def test_budget_never_exceeded_and_tokens_match_full(reference, policy, budget):
     watch = BudgetWatch(m)
     pol = llm.engine.policy
     if policy == "tide":                                 # loads only at refreshes
-        plan = pol.plan
+        decide = pol.decide
 
-        def checked_plan(layer, demand, res):
-            out = plan(layer, demand, res)
+        def checked_decide(event):
+            out = decide(event)
             assert not out.load or pol.refresh_due()
             return out
-        pol.plan = checked_plan
+        pol.decide = checked_decide
     watch.check()                                        # the initial placement too (fiddler)
     out = llm.generate(PROMPT, **GEN)
     assert out.token_ids == ref_tokens, (preset, policy, spec)
@@ -147,7 +147,7 @@ def test_cache_modes(reference, cache):
         assert llm.generate(PROMPT, gen_length=40, cache=cache).token_ids == ref, (policy, cache)
 
 
-@pytest.mark.parametrize("policy", GPU_POLICIES)
+@pytest.mark.parametrize("policy", ["lru", "lfu", "prefetch"])     # the baselines that take misses=...
 def test_cooperative_misses_give_full_tokens(reference, policy):
     """misses=cooperative: the planner splits each layer's misses between loads and the CPU; tokens stay those of
     `full`, the budget holds, and every layer runs in one wave (loads fit next to the hits)."""
@@ -171,7 +171,7 @@ def test_cooperative_with_the_measured_cost_model():
     eng = llm.engine
     assert eng.costs is not None and eng.costs.source.startswith("measured") and eng.policy.ctx.costs is eng.costs
     assert llm.generate(PROMPT, **GEN).token_ids == make_llm("tiny").generate(PROMPT, **GEN).token_ids
-    with pytest.raises(ValueError, match="--misses applies to lru, lfu and prefetch"):
+    with pytest.raises(ValueError, match="--misses applies to lru, lfu, prefetch and oled-coop"):
         make_llm("tiny", "tide", "0.25", misses="cooperative")
 
 
@@ -216,7 +216,8 @@ def _install(engine, manager):
 
 def _forward(engine, manager, tokens):
     kv = KVCache(engine.config, len(tokens), engine.dtype, engine.device)
-    manager.begin_forward("iteration")
+    manager.begin_forward(ForwardInfo(kind="iteration", start=0, tokens=len(tokens), block_start=0,
+                                      block_length=len(tokens)))
     logits = engine.model(torch.tensor(tokens, dtype=torch.int64), 0, kv, None, slice(None))
     manager.end_forward()
     return logits
@@ -234,7 +235,8 @@ def _manager(engine, policy, budget, popularity=None, kernel=None):
     spec = parse_budget(budget, num_layers=len(engine.config.moe_layers), num_experts=engine.config.num_experts,
                         expert_bytes=engine.store.expert_bytes)
     pol = make_policy(policy, popularity=popularity, tau=2)
-    return ExpertManager(engine.store, spec, pol, engine.device, kernel if pol.uses_cpu else None)
+    costs = balanced_costs(engine.store.expert_bytes) if pol.uses_cpu else None   # cooperative: both sides used
+    return ExpertManager(engine.store, spec, pol, engine.device, kernel if pol.uses_cpu else None, costs=costs)
 
 
 def test_logits_bit_identical_to_full(reference):
@@ -274,17 +276,19 @@ def test_logits_bit_identical_to_full(reference):
 class _BadPlan(LRUPolicy):
     name = "bad-plan"
 
-    def plan(self, layer, demand, resident):
-        plan = super().plan(layer, demand, resident)
-        plan.load = plan.load[1:]                        # drops a miss
-        return plan
+    def decide(self, event):
+        decision = super().decide(event)
+        decision.load = decision.load[1:]                # drops a miss
+        return decision
 
 
 class _BadVictim(LRUPolicy):
     name = "bad-victim"
 
-    def victim(self, layer, candidates):
-        return 10_000
+    def decide(self, event):
+        decision = super().decide(event)
+        decision.evict = [10_000]                        # not resident: nothing it may evict
+        return decision
 
 
 def test_manager_refuses_broken_policies():
@@ -294,10 +298,10 @@ def test_manager_refuses_broken_policies():
     w = torch.ones(2, 4)
     x = torch.randn(2, eng.config.hidden_size)
     m = ExpertManager(eng.store, spec, _BadPlan(), eng.device)
-    with pytest.raises(RuntimeError, match="plan must split exactly the misses"):
+    with pytest.raises(RuntimeError, match="must split exactly the misses"):
         m.run(1, x, ids, w)
     m = ExpertManager(eng.store, spec, _BadVictim(), eng.device)
-    with pytest.raises(RuntimeError, match="victim"):
+    with pytest.raises(RuntimeError, match="no expert of layer 1 to evict"):
         m.run(1, x, ids, w)
     with pytest.raises(ValueError, match="CPU"):
         ExpertManager(eng.store, spec, make_policy("tide"), eng.device, cpu_kernel=None)

@@ -71,6 +71,8 @@ def _policies(rows: list[dict]) -> list[str]:
 
 
 def metric_table(rows: list[dict], key: str) -> str | None:
+    # the bound's rows (belady, replayed without timings) appear only where they have a value
+    rows = [r for r in rows if r.get("mode") != "bound" or (r["metrics"].get(key) or {}).get("median") is not None]
     if all((r["metrics"].get(key) or {}).get("median") is None for r in rows):
         return None
     cols, pols = _budget_columns(rows), _policies(rows)

@@ -23,7 +23,7 @@ import torch
 
 from ..decoding.loop import generate
 from ..decoding.params import DecodeParams
-from ..policies import POLICIES
+from ..policies import policy_class, policy_options
 from ..runtime.budget import BudgetError, parse_budget
 from ..runtime.cost_model import CostModel
 from ..runtime.stats import RunStats
@@ -36,6 +36,8 @@ SCHEMA = "oled-bench/1"
 ALL_KINDS = ("prefill", "iteration", "cache_fill")
 BREAKDOWN = ("attention", "gpu_experts", "copy_wait", "cpu_experts", "other")
 
+
+BOUND = "belady"      # the retention bound every hit-rate table carries
 
 # ------------------------------------------------------------------------------------------------ configuration
 @dataclass
@@ -52,19 +54,18 @@ class PolicySpec:
 
     @property
     def static_full(self) -> bool:
-        return bool(getattr(POLICIES[self.name], "static_full", False))
+        return bool(getattr(policy_class(self.name), "static_full", False))
 
     @classmethod
     def parse(cls, text: str) -> "PolicySpec":
         name, *opts = text.strip().split(":")
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        policy_class(name)                 # an unknown name is refused here, with the choices
         options = {}
         for opt in opts:
             key, eq, value = opt.partition("=")
             if not eq or not key:
                 raise ValueError(f"policy {text!r}: options are written name:key=value (e.g. tide:tau=2)")
-            accepted = getattr(POLICIES[name], "options", ())
+            accepted = policy_options(name)
             if key not in accepted:
                 raise ValueError(f"policy {name!r} has no option {key!r} (options: {', '.join(accepted) or 'none'})")
             options[key] = _value(value)
@@ -115,6 +116,7 @@ class BenchConfig:
     cost_model: str | None = None        # replay: cost model JSON for cooperative policies (default: the trace's)
     progress: bool = True
     render: bool = True                  # write report.md and plots at the end
+    bound: bool = True                   # add `belady` (the retention bound) at every budget
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -130,10 +132,10 @@ class _ForwardProbe:
     def __getattr__(self, name):
         return getattr(self.__dict__["manager"], name)
 
-    def begin_forward(self, kind: str) -> None:
+    def begin_forward(self, info) -> None:
         self.timer.collect()
-        self._kind, self._t0 = kind, time.perf_counter()
-        self.manager.begin_forward(kind)
+        self._kind, self._t0 = info.kind, time.perf_counter()
+        self.manager.begin_forward(info)
 
     def end_forward(self) -> None:
         self.manager.end_forward()
@@ -276,6 +278,8 @@ class Bench:
                                         prof, model_info)
                     if row is None:
                         self._tick(planned)
+                if cfg.bound:
+                    self._bound_rows(engine, w, model_info)
         finally:
             if self._bar is not None:
                 self._bar.close()
@@ -366,11 +370,45 @@ class Bench:
             if need_pop:
                 popularity = engine.manager.stats.popularity()
                 self._write_popularity(engine, workload, popularity, policy)
+            if policy == "full":
+                self._reference_records = list(engine.manager.stats.records)
             engine.manager.stats.reset()
             if policy == "full":
                 return tokens, popularity, "full"
             return None, popularity, None
         return None, None, None
+
+    def _bound_rows(self, engine, workload, model_info) -> None:
+        """`belady` at every budget, replayed on the routing of the reference pass (full residency, one pass over the
+        workload): the fewest loads any retention can reach on that routing. No timings: a bound, not a run."""
+        from ..trace.replay import replay_records
+
+        records = getattr(self, "_reference_records", None)
+        if not records:
+            return
+        c = engine.config
+        for budget in self.budgets:
+            try:
+                stats = replay_records(records, layers=list(c.moe_layers), num_experts=c.num_experts, top_k=c.top_k,
+                                       expert_bytes=engine.store.expert_bytes, expert_budget=budget)
+            except (ValueError, RuntimeError) as e:
+                self._skip(workload.name, PolicySpec(BOUND), budget, str(e))
+                continue
+            metrics = {k: aggregate([stats_metrics(stats.summary()).get(k)]) for k in METRICS}
+            b = parse_budget(budget, num_layers=len(c.moe_layers), num_experts=c.num_experts,
+                             expert_bytes=engine.store.expert_bytes)
+            row = {"schema": SCHEMA, "run_id": f"{workload.name}|{BOUND}|{budget}", "mode": "bound", "status": "ok",
+                   "label": self.env["label"], "timestamp": now(), "workload": workload.describe(),
+                   "policy": BOUND, "policy_label": BOUND, "policy_options": {}, "budget": budget,
+                   "budget_fraction": b.fraction, "slots_per_layer": b.slots_per_layer, "budget_bytes": b.bytes,
+                   "model": model_info, "engine": None, "decode": _decode_dict(self.cfg.decode, engine),
+                   "bench": {"repeats": 1, "warmup_prompts": 0, "seed": self.cfg.seed, "reference": "full",
+                             "profiled_pass": False, "timing": "none (replay of the reference pass's routing)"},
+                   "env": self.env, "metrics": metrics, "sections_per_iteration_ms": None, "h2d_copy_gbps": None,
+                   "cost_model": None, "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {}),
+                   "prompts": []}
+            self.rows.append(row)
+            self._append("results.jsonl", row)
 
     def _write_popularity(self, engine, workload, popularity, policy) -> None:
         try:
@@ -511,6 +549,8 @@ class Bench:
         generated = int(len(trace.req_output_ids))
         self._check_budgets(len(trace.layers), h["model"]["num_experts"], h["model"]["expert_bytes"])
         combos = self._combos()
+        if cfg.bound and not any(spec.name == BOUND for spec, _ in combos):
+            combos += [(PolicySpec(BOUND), b) for b in self.budgets]
         self._bar = _progress(len(combos), cfg.progress)
         try:
             for spec, budget in combos:

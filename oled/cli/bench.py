@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     g.add_argument("--profile-all", action="store_true", help="profiled pass for every run (sections in every line)")
     g.add_argument("--no-profile", dest="profile", action="store_false", help="no profiled pass (no breakdown)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-bound", dest="bound", action="store_false",
+                   help="no `belady` rows (the retention bound, replayed on the reference pass's or the trace's "
+                        "routing at every budget)")
     e = p.add_argument_group("runtime")
     e.add_argument("--seed", type=int, default=0, help="random-weights and run seed")
     add_execution_args(e)
@@ -71,7 +74,7 @@ def run(args) -> int:
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
                       profile_all=args.profile_all, profile=args.profile, replay=args.replay,
-                      cost_model=args.cost_model, progress=args.progress)
+                      cost_model=args.cost_model, progress=args.progress, bound=args.bound)
     rows = run_bench(cfg)
     if not rows:
         print("no run completed (see the messages above)", file=sys.stderr)

@@ -5,6 +5,9 @@ import argparse
 
 from ..config import EngineConfig
 from ..decoding.params import DecodeParams
+from ..policies import DEFAULT_POLICY, POLICIES, policy_class
+
+LIVE_POLICIES = [name for name in POLICIES if not policy_class(name).needs_future]   # belady: replay only
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -15,10 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random-weights seed")
     g.add_argument("--expert-budget", default="1.0",
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
-    g.add_argument("--policy", default="lru", help="expert residency policy")
+    g.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"expert residency policy: {', '.join(LIVE_POLICIES)} (default: %(default)s)")
     g.add_argument("--misses", choices=["load", "cooperative"],
-                   help="lru, lfu, prefetch: load every miss (default), or let the planner split misses between "
-                        "loading and the CPU on the measured costs")
+                   help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
+                        "planner split misses between loading and the CPU on the measured costs")
     g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
     g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
     add_execution_args(g)

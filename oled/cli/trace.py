@@ -26,7 +26,16 @@ def add_parser(sub) -> None:
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="do not record the next layer's predicted routing (replaying `prefetch` then uses the "
                         "actual routing of the next layer as its prediction)")
-    p.add_argument("--json", metavar="FILE", help="also write the locality report as JSON")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--predictor", action="store_true",
+                   help="the reuse predictor's report instead of the locality report: AUC of OLED's scores for the "
+                        "next iteration's experts, retained sets of oled, lru, lfu, tide and belady per budget")
+    p.add_argument("--budgets", default="0.6,0.4,0.25", help="--predictor: budgets to replay (default: %(default)s)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="--predictor: cost model JSON for the cooperative `oled` (default: the trace's, if any)")
+    p.add_argument("--calibrate-reuse", metavar="FILE",
+                   help="measure the reuse probabilities OLED's predictor uses on this trace and write them (JSON, "
+                        "for --policy oled:calibration=FILE)")
     add_engine_args(p)
     add_decode_args(p)
     p.set_defaults(gen_length=64)
@@ -41,8 +50,21 @@ def run(args) -> int:
         if not args.out:
             raise ValueError("give --out FILE (the trace to write) or --report TRACE")
         trace = _record(args)
-    rep = locality(trace)
-    print(format_locality(rep))
+    if args.calibrate_reuse:
+        from ..policies.reuse import calibrate
+        with open(args.calibrate_reuse, "w") as f:
+            f.write(calibrate([trace]).to_json())
+        print(f"wrote {args.calibrate_reuse}", file=sys.stderr)
+    if args.predictor:
+        from ..bench.runner import parse_list
+        from ..runtime.cost_model import CostModel
+        from ..trace.predictor import format_predictor_report, predictor_report
+        costs = CostModel.from_json(open(args.cost_model).read()) if args.cost_model else None
+        rep = predictor_report(trace, parse_list(args.budgets), costs)
+        print(format_predictor_report(rep))
+    else:
+        rep = locality(trace)
+        print(format_locality(rep))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)

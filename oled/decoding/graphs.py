@@ -171,14 +171,14 @@ def _steady(rows: slice | None) -> bool:
 class _Decide:
     """Host step one of an offloaded layer: the manager's decisions on the segment's outputs (x, routing); the first
     wave's slot per pair goes into `pair_slots`, which the next segment reads."""
-    __slots__ = ("layer", "x", "ids", "pair_slots", "work")
+    __slots__ = ("layer", "x", "ids", "weights", "pair_slots", "work")
 
-    def __init__(self, layer, x, ids):
-        self.layer, self.x, self.ids, self.work = layer, x, ids, None
+    def __init__(self, layer, x, ids, weights):
+        self.layer, self.x, self.ids, self.weights, self.work = layer, x, ids, weights, None
         self.pair_slots = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
 
     def run(self, manager) -> None:
-        self.work = manager.begin_offloaded(self.layer, self.x, self.ids, slots_out=self.pair_slots)
+        self.work = manager.begin_offloaded(self.layer, self.x, self.ids, self.weights, slots_out=self.pair_slots)
 
 
 class _Finish:
@@ -232,7 +232,7 @@ class _Forward:
             # memory pool owns it); the first wave's compute is a segment of its own; the finish runs eagerly on its
             # output; the combine opens the next segment.
             self.end_segment()
-            decide = self.steps[-1] = _Decide(layer, x, ids)
+            decide = self.steps[-1] = _Decide(layer, x, ids, weights)
             decide.run(manager)
             self.begin_segment()
             y_pairs = manager.first_wave(layer, x, decide.pair_slots)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-from ..policies.base import IterationEvent
+from ..policies.base import ForwardInfo, IterationEvent
 from .kv_cache import CACHE_MODES, KVCache
 from .params import DecodeParams
 from .rules import make_rule, predict, transfer_schedule
@@ -87,9 +87,12 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     result = GenerationResult(token_ids=[], finish_reason="length")
     kwargs = {} if timer is None else {"timer": timer}
 
+    block_start = 0      # canvas position of the block being decoded (the prefill's: the first block's)
+
     def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
         ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
-        manager.begin_forward(kind)
+        manager.begin_forward(ForwardInfo(kind=kind, start=start, tokens=len(tokens), block_start=block_start,
+                                          block_length=B))
         out = run(ids, start, kv, kv_end, rows, **kwargs)
         if kind == "iteration":
             result.nfe += 1
@@ -101,6 +104,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     manager.on_request_start()
     t0 = time.perf_counter()
     first_block = P // B
+    block_start = first_block * B
     mode.prefill(forward, canvas, first_block * B)
     _sync(device)
     t1 = time.perf_counter()
@@ -109,6 +113,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     emitted = P
     for b in range(first_block, total // B):
         bs, be = b * B, (b + 1) * B
+        block_start = bs
         step = 0
         while True:
             masked = canvas[bs:be] == mask_id

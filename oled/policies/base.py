@@ -1,27 +1,96 @@
-"""The policy interface. A policy is plain Python bookkeeping: it never touches tensors or weights.
+"""The policy interface: events in, one decision out. A policy is plain Python bookkeeping; it never touches tensors.
 
-The expert manager calls, per MoE layer and iteration:
-  plan(layer, demand, resident)  -> which misses to load onto the GPU and which to compute on the CPU
-  victim(layer, candidates)      -> whenever a slot is needed and none is free
-  prefetch(layer, predicted, resident) -> optional speculative loads for the next layer
-and once per denoising iteration on_iteration(event) with the token states and confidences.
+The runtime tells a policy what happened, in order, and applies what it returns:
+  on_request_start()          a new request starts
+  on_forward(info)            a forward starts: its kind and which rows are which canvas positions (ForwardInfo)
+  decide(event) -> decision   per MoE layer of the forward: the routing per token (ids and weights [T, k]), the
+                              demand, the resident set -> which misses to load, which to compute on the CPU, the
+                              eviction order, optional prefetch for the next layer (LayerDecision)
+  on_iteration(event)         after a denoising iteration: each block position's state and confidence
+The live expert manager and the trace replayer produce the very same events, so a replay reaches the same decisions.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
 from ..runtime.cost_model import CostModel
-from ..runtime.planner import split_misses
+from ..runtime.planner import PlanInputs, split_misses
 
 MISS_MODES = ("load", "cooperative")   # what a caching policy does with a miss: load it, or let the planner split
 
 
+@dataclass(frozen=True)
+class ForwardInfo:
+    """What a forward is: kind ("prefill", "iteration" or "cache_fill"), its rows (canvas positions start ..
+    start + tokens - 1) and the block being decoded (canvas positions block_start .. block_start + block_length - 1).
+    A block's first forward under the prefix cache also carries the previous block's final tokens (rows before the
+    block), whose K/V it writes."""
+    kind: str
+    start: int
+    tokens: int
+    block_start: int
+    block_length: int
+
+    def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, block positions) of the rows that belong to the block being decoded."""
+        positions = np.arange(self.start, self.start + self.tokens) - self.block_start
+        rows = np.nonzero((positions >= 0) & (positions < self.block_length))[0]
+        return rows, positions[rows]
+
+
 @dataclass
-class LayerPlan:
-    load: list[int] = field(default_factory=list)   # misses copied to the GPU, in priority order
-    cpu: list[int] = field(default_factory=list)    # misses computed on the CPU (only activations cross PCIe)
+class LayerEvent:
+    """One MoE layer of one forward, as the runtime sees it before deciding anything."""
+    layer: int
+    forward: ForwardInfo
+    ids: np.ndarray                  # [T, k] routed expert ids per row (token-major)
+    weights: np.ndarray              # [T, k] routing weights per row (fp32)
+    demand: dict[int, int]           # expert -> rows routed to it (experts in first-seen order of np.unique)
+    resident: set[int]               # experts resident in this layer's slots before the layer runs
+    predicted: dict[int, int] | None = None     # policies with wants_prediction: the next layer's predicted demand
+    next_layer: int | None = None
+    next_resident: set[int] | None = None
+
+    @cached_property
+    def misses(self) -> list[int]:
+        return [e for e in self.demand if e not in self.resident]
+
+    @cached_property
+    def hits(self) -> list[int]:
+        return [e for e in self.demand if e in self.resident]
+
+
+class EvictionOrder:
+    """An eviction order computed only if a slot is needed (most layers evict nothing), then kept: `rank()` returns
+    the experts, first evicted first. The policy's state it reads must not change before the layer is done, which
+    holds because a policy is only called again with the next event."""
+
+    def __init__(self, rank: Callable[[], Iterable[int]]):
+        self._rank, self._order = rank, None
+
+    def __iter__(self):
+        if self._order is None:
+            self._order = list(self._rank())
+        return iter(self._order)
+
+
+@dataclass
+class LayerDecision:
+    """What the runtime does for one layer. `load` + `cpu` must be exactly the misses. When a load needs a slot and
+    none is free, the runtime evicts the first expert of `evict` (a list or an EvictionOrder) that is resident and
+    not needed by the wave being served; experts missing from `evict` are never evicted. `prefetch` are experts of
+    the next MoE layer copied ahead after this layer's own copies, evicting there in `prefetch_evict` order."""
+    load: list[int] = field(default_factory=list)
+    cpu: list[int] = field(default_factory=list)
+    evict: Iterable[int] = ()
+    prefetch: list[int] = field(default_factory=list)
+    prefetch_evict: Iterable[int] = ()
 
 
 @dataclass
@@ -51,7 +120,8 @@ class Policy:
     name = "base"
     uses_cpu = False            # the policy may compute misses on the CPU
     static_full = False         # every expert resident, nothing to decide: the manager skips host round trips
-    wants_prediction = False    # call prefetch() with the next layer's predicted routing
+    wants_prediction = False    # events carry the next layer's predicted routing
+    needs_future = False        # replay only: the policy is given the trace's future demand (belady)
 
     def setup(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -62,35 +132,45 @@ class Policy:
         """Experts to make resident before the first forward (static placements)."""
         return []
 
-    def plan(self, layer: int, demand: dict[int, int], resident: set[int]) -> LayerPlan:
-        """demand: expert -> number of tokens routed to it in this forward. Default: load every miss."""
-        return LayerPlan(load=[e for e in demand if e not in resident])
+    def on_request_start(self) -> None:
+        """A new request starts (per-request state resets; learned residency may stay)."""
+        self.iteration = 0
+        self.block_step = 0
 
-    def cooperative_plan(self, demand: dict[int, int], resident: set[int],
-                         credit: dict[int, float] | None = None) -> LayerPlan:
-        """Split the misses between loading and the CPU with the planner, on the measured costs; loads are capped
-        at the slots not holding a hit, so that the layer runs in one wave."""
-        if self.ctx.costs is None:
-            raise RuntimeError(f"policy {self.name!r}: cooperative miss handling needs the measured cost model")
-        misses = {e: n for e, n in demand.items() if e not in resident}
-        hits = len(demand) - len(misses)
-        load, cpu = split_misses(misses, hits, self.ctx.costs, credit, max_loads=self.ctx.capacity - hits)
-        return LayerPlan(load=load, cpu=cpu)
+    def on_forward(self, info: ForwardInfo) -> None:
+        """A forward starts."""
 
-    def victim(self, layer: int, candidates: list[int]) -> int:
+    def decide(self, event: LayerEvent) -> LayerDecision:
         raise NotImplementedError
-
-    def on_access(self, layer: int, demand: dict[int, int]) -> None:
-        """After a layer ran: every expert in demand was used (on the GPU or the CPU)."""
-
-    def prefetch(self, layer: int, predicted: dict[int, int], resident: set[int]) -> list[int]:
-        return []
 
     def on_iteration(self, event: IterationEvent) -> None:
         self.iteration = event.iteration + 1
         self.block_step = 0 if event.block_done else event.step + 1
 
-    def on_request_start(self) -> None:
-        """A new request starts (per-request state resets; learned residency may stay)."""
-        self.iteration = 0
-        self.block_step = 0
+    # ------------------------------------------------------------------------------------- shared helpers
+    def cooperative_split(self, event: LayerEvent, credit: dict[int, float] | None = None,
+                          evict_loss: list[float] | None = None) -> tuple[list[int], list[int]]:
+        """Split the misses between loading and the CPU with the planner on the measured costs. Loads fill the free
+        slots first (a free slot is never left empty for a miss sent to the CPU) and are capped at the slots not
+        holding a hit, so the layer runs in one wave; evict_loss[i] is the predicted value lost by the i-th eviction
+        a load beyond the free slots causes."""
+        if self.ctx.costs is None:
+            raise RuntimeError(f"policy {self.name!r}: cooperative miss handling needs the measured cost model")
+        hits = event.hits
+        misses = {e: event.demand[e] for e in event.misses}
+        free = self.ctx.capacity - len(event.resident)
+        inputs = PlanInputs(tokens=misses, hit_tokens=[event.demand[e] for e in hits], rows=len(event.ids),
+                            free_slots=free, max_loads=self.ctx.capacity - len(hits), credit=credit or {},
+                            evict_loss=evict_loss or [])
+        return split_misses(inputs, self.ctx.costs)
+
+
+def read_json(path, what: str, hint: str = ""):
+    """A policy's data file (JSON), with one clear line for a missing or malformed file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what} file {str(path)!r} not found{hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} file {str(path)!r} is not JSON ({e})") from None

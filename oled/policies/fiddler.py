@@ -7,10 +7,9 @@ ever loaded or evicted afterwards, and every miss runs on the CPU (only activati
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .base import LayerPlan, Policy
+from .base import LayerDecision, Policy, read_json
 
 CALIBRATE_HINT = ("run `oled calibrate --model DIR (or --random-weights PRESET) --prompt TEXT --out popularity.json` "
                   "and pass --popularity popularity.json")
@@ -38,13 +37,7 @@ def parse_popularity(data) -> dict[int, dict[int, int]]:
 def load_popularity(source) -> tuple[dict[int, dict[int, int]], dict]:
     """A path to a popularity JSON file, or the data itself (a dict). Returns (popularity, provenance)."""
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"expert popularity file {str(path)!r} not found; {CALIBRATE_HINT}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"expert popularity file {str(path)!r} is not JSON ({e})") from None
+        data = read_json(source, "expert popularity", f"; {CALIBRATE_HINT}")
     else:
         data = source
     pop = parse_popularity(data)
@@ -89,8 +82,5 @@ class FiddlerPolicy(Policy):
     def initial_placement(self, layer):
         return self.ranking(layer)[: self.ctx.capacity]
 
-    def plan(self, layer, demand, resident):
-        return LayerPlan(load=[], cpu=[e for e in demand if e not in resident])
-
-    def victim(self, layer, candidates):
-        raise RuntimeError("policy 'fiddler' never loads an expert, so it never evicts one")
+    def decide(self, event):
+        return LayerDecision(cpu=event.misses)      # nothing is ever loaded, so nothing is evicted

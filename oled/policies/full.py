@@ -11,5 +11,5 @@ class FullPolicy(Policy):
     def initial_placement(self, layer: int) -> list[int]:
         return list(range(self.ctx.num_experts))
 
-    def victim(self, layer, candidates):
+    def decide(self, event):
         raise RuntimeError("policy 'full' needs every expert resident: use --expert-budget 1.0")

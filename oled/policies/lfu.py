@@ -11,12 +11,12 @@ class LFUPolicy(LRUPolicy):
         super().setup(ctx)
         self.uses = {layer: {} for layer in ctx.layers}      # layer -> expert -> forwards that used it
 
-    def on_access(self, layer, demand):
-        super().on_access(layer, demand)
+    def used(self, layer, demand):
+        super().used(layer, demand)
         uses = self.uses[layer]
         for e in demand:
             uses[e] = uses.get(e, 0) + 1
 
-    def victim(self, layer, candidates):
+    def eviction_key(self, layer):
         uses, last = self.uses[layer], self.last_use[layer]
-        return min(candidates, key=lambda e: (uses.get(e, 0), last.get(e, -1), e))
+        return lambda e: (uses.get(e, 0), last.get(e, -1), e)

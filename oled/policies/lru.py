@@ -1,12 +1,16 @@
 """`lru`: a per-layer cache that evicts the least recently used expert (Mixtral-offloading style).
 
 Misses are loaded on demand (`misses=load`, the default: the layer waits for its copies), or, with
-`misses=cooperative`, split by the planner (runtime/planner.py) between loading and the CPU on the measured costs:
-the "cooperative only, LRU retention" configuration. `lfu` and `prefetch` take the same option.
+`misses=cooperative`, split by the planner (runtime/planner.py) between loading and the CPU on the measured costs,
+with no reuse credit: the planner's own baseline. `lfu` and `prefetch` take the same option.
+
+A layer's use counts once the layer is done: it is applied when the layer's next event arrives (or, for prefetch,
+when the next layer's order is needed), so an eviction order never ranks the experts of the layer being served by
+the use it is serving.
 """
 from __future__ import annotations
 
-from .base import MISS_MODES, Policy
+from .base import MISS_MODES, EvictionOrder, LayerDecision, LayerEvent, Policy
 
 
 class LRUPolicy(Policy):
@@ -26,18 +30,37 @@ class LRUPolicy(Policy):
                              "(the engine measures it; a trace replay takes the recording's or --cost-model FILE)")
         self.clock = 0
         self.last_use = {layer: {} for layer in ctx.layers}   # layer -> expert -> clock of its last use
+        self.pending = {layer: None for layer in ctx.layers}  # layer -> demand of its last event, not yet counted
 
-    def plan(self, layer, demand, resident):
-        if self.uses_cpu:
-            return self.cooperative_plan(demand, resident)
-        return super().plan(layer, demand, resident)
+    def touch(self, layer: int) -> None:
+        """Count the layer's last use (see the module docstring)."""
+        demand, self.pending[layer] = self.pending[layer], None
+        if demand is not None:
+            self.clock += 1
+            self.used(layer, demand)
 
-    def on_access(self, layer, demand):
-        self.clock += 1
+    def used(self, layer: int, demand: dict[int, int]) -> None:
         last = self.last_use[layer]
         for e in demand:
             last[e] = self.clock
 
-    def victim(self, layer, candidates):
+    def eviction_key(self, layer: int):
         last = self.last_use[layer]
-        return min(candidates, key=lambda e: (last.get(e, -1), e))
+        return lambda e: (last.get(e, -1), e)
+
+    def eviction_order(self, layer: int, candidates) -> EvictionOrder:
+        key = self.eviction_key(layer)
+        return EvictionOrder(lambda: sorted(candidates, key=key))
+
+    def split(self, event: LayerEvent) -> tuple[list[int], list[int]]:
+        """(load, cpu) of the layer's misses."""
+        if self.uses_cpu:
+            return self.cooperative_split(event)
+        return event.misses, []
+
+    def decide(self, event):
+        layer = event.layer
+        self.touch(layer)
+        load, cpu = self.split(event)
+        self.pending[layer] = event.demand
+        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident | set(load)))

@@ -1,15 +1,15 @@
 """`prefetch`: intra-iteration layer-wise prefetch, the autoregressive offloading systems' approach (MoE-Infinity,
 ProMoE, HOBBIT, Mixtral-offloading's speculative loading).
 
-While layer l computes, the manager applies layer l+1's router to layer l's MoE input (`manager.predictors`) and
-asks `prefetch(l+1, predicted, resident)` which experts to copy ahead on the copy stream. We prefetch the
-predicted experts of l+1 that are not resident, most tokens first, at most as many as fit next to the predicted
-experts already resident (so a prefetch never pushes out another predicted expert). Eviction is LRU, except that
-while a prediction for a layer is pending (until that layer runs) its predicted experts are evicted last.
-Misses of the real routing are loaded on demand, as in `lru`.
+While layer l computes, the manager applies layer l+1's router to layer l's MoE input and hands the prediction to
+the policy with layer l's event. We prefetch the predicted experts of l+1 that are not resident, most tokens first,
+at most as many as fit next to the predicted experts already resident (so a prefetch never pushes out another
+predicted expert). Eviction is LRU, except that while a prediction for a layer is pending (until that layer runs)
+its predicted experts are evicted last. Misses of the real routing are loaded on demand, as in `lru`.
 """
 from __future__ import annotations
 
+from .base import EvictionOrder
 from .lru import LRUPolicy
 
 
@@ -20,19 +20,24 @@ class PrefetchPolicy(LRUPolicy):
     def setup(self, ctx):
         super().setup(ctx)
         self.predicted: dict[int, set[int]] = {layer: set() for layer in ctx.layers}   # pending predictions
-        self.predictions = 0        # prefetch() calls (for tests and reports)
+        self.predictions = 0        # predictions received (for tests and reports)
 
-    def prefetch(self, layer, predicted, resident):
-        self.predictions += 1
-        # the `capacity` predicted experts with the most tokens (ties: lower id) are the ones worth holding
-        ranked = sorted(predicted, key=lambda e: (-predicted[e], e))[: self.ctx.capacity]
-        self.predicted[layer] = set(ranked)
-        return [e for e in ranked if e not in resident]
-
-    def plan(self, layer, demand, resident):
-        self.predicted[layer] = set()     # the real routing is known now: the prediction has served its purpose
-        return super().plan(layer, demand, resident)
-
-    def victim(self, layer, candidates):
+    def eviction_key(self, layer):
         keep, last = self.predicted[layer], self.last_use[layer]
-        return min(candidates, key=lambda e: (e in keep, last.get(e, -1), e))
+        return lambda e: (e in keep, last.get(e, -1), e)
+
+    def decide(self, event):
+        self.predicted[event.layer] = set()   # the real routing is known now: the prediction has served its purpose
+        decision = super().decide(event)
+        if event.predicted is not None:
+            nxt, predicted = event.next_layer, event.predicted
+            self.predictions += 1
+            self.touch(nxt)
+            # the `capacity` predicted experts with the most tokens (ties: lower id) are the ones worth holding
+            ranked = sorted(predicted, key=lambda e: (-predicted[e], e))[: self.ctx.capacity]
+            self.predicted[nxt] = set(ranked)
+            decision.prefetch = [e for e in ranked if e not in event.next_resident]
+            key = self.eviction_key(nxt)
+            candidates = event.next_resident | set(decision.prefetch)
+            decision.prefetch_evict = EvictionOrder(lambda: sorted(candidates, key=key))
+        return decision

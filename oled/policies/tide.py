@@ -12,7 +12,7 @@ Between refreshes nothing moves: every miss runs on the CPU.
 """
 from __future__ import annotations
 
-from .base import LayerPlan, Policy
+from .base import EvictionOrder, LayerDecision, Policy
 
 
 class TidePolicy(Policy):
@@ -28,26 +28,19 @@ class TidePolicy(Policy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.refresh: dict[int, tuple[set[int], dict[int, int]] | None] = {layer: None for layer in ctx.layers}
         self.refreshes = {layer: 0 for layer in ctx.layers}     # refreshes done per layer (for reports and tests)
 
     def refresh_due(self) -> bool:
         return self.block_step % self.tau == 0
 
-    def plan(self, layer, demand, resident):
-        misses = [e for e in demand if e not in resident]
+    def decide(self, event):
+        misses, demand = event.misses, event.demand
         if not self.refresh_due():
-            self.refresh[layer] = None
-            return LayerPlan(load=[], cpu=misses)
+            return LayerDecision(cpu=misses)       # nothing moves between refreshes
         desired = sorted(demand, key=lambda e: (-demand[e], e))[: self.ctx.capacity]
         keep = set(desired)
-        self.refresh[layer] = (keep, dict(demand))
-        self.refreshes[layer] += 1
-        return LayerPlan(load=[e for e in desired if e not in resident], cpu=[e for e in misses if e not in keep])
-
-    def victim(self, layer, candidates):
-        state = self.refresh[layer]
-        if state is None:
-            raise RuntimeError("policy 'tide' loads experts only at a refresh")
-        keep, demand = state
-        return min(candidates, key=lambda e: (e in keep, demand.get(e, 0), e))
+        self.refreshes[event.layer] += 1
+        load = [e for e in desired if e not in event.resident]
+        demoted = event.resident - keep
+        return LayerDecision(load=load, cpu=[e for e in misses if e not in keep],
+                             evict=EvictionOrder(lambda: sorted(demoted, key=lambda e: (demand.get(e, 0), e))))

@@ -13,14 +13,27 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
 
-COST_MODEL_VERSION = 5   # part of the cache key: a model measured by older code is measured again
+COST_MODEL_VERSION = 6   # part of the cache key: a model measured by older code is measured again
+
+
+def _per_token_count(table: dict[int, float], keys: list[int], tokens: int) -> float:
+    """A per-expert time for `tokens` tokens from a table measured at a few token counts: linear between them,
+    proportional beyond the largest."""
+    if tokens <= keys[0]:
+        return table[keys[0]]
+    if tokens >= keys[-1]:
+        return table[keys[-1]] * tokens / keys[-1]
+    i = bisect.bisect_left(keys, tokens)
+    lo, hi = keys[i - 1], keys[i]
+    f = (tokens - lo) / (hi - lo)
+    return table[lo] * (1 - f) + table[hi] * f
 
 
 @dataclass
@@ -30,7 +43,12 @@ class CostModel:
     cpu_seconds: dict[int, float]         # tokens per expert -> seconds per expert (CPU kernel, cold weights)
     cpu_call_seconds: float = 0.0         # fixed time of one kernel call (starting and joining its threads)
     cpu_slowdown_with_copies: float = 1.0  # CPU time factor while H2D copies run concurrently
-    gpu_seconds_per_expert: float = 0.0   # grouped GPU compute per resident expert (small; read from HBM)
+    gpu_seconds: dict[int, float] = field(default_factory=dict)   # tokens per expert -> grouped-GEMM seconds per
+                                          # expert over the slot pool (empty: not measured, counted as 0)
+    copy_slowdown_with_cpu: float = 1.0   # H2D copy time factor while the CPU kernel runs (both read host DRAM)
+    transfer_seconds: float = 0.0         # fixed time of a layer's activation round trip to the CPU path
+    row_bytes: int = 0                    # bytes of one token's input sent to the host
+    pair_bytes: int = 0                   # bytes of one (token, expert) output sent back
     source: str = "measured"
 
     def load_seconds(self, n_experts: int) -> float:
@@ -38,19 +56,24 @@ class CostModel:
 
     def cpu_expert_seconds(self, tokens: int) -> float:
         """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
-        keys = self._token_counts
-        if tokens <= keys[0]:
-            return self.cpu_seconds[keys[0]]
-        if tokens >= keys[-1]:
-            return self.cpu_seconds[keys[-1]] * tokens / keys[-1]
-        i = bisect.bisect_left(keys, tokens)
-        lo, hi = keys[i - 1], keys[i]
-        f = (tokens - lo) / (hi - lo)
-        return self.cpu_seconds[lo] * (1 - f) + self.cpu_seconds[hi] * f
+        return _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
+
+    def gpu_expert_seconds(self, tokens: int) -> float:
+        """Per-expert grouped-GEMM time on the device for `tokens` tokens (0 where it was not measured)."""
+        return _per_token_count(self.gpu_seconds, self._gpu_counts, tokens) if self.gpu_seconds else 0.0
+
+    def cpu_transfer_seconds(self, rows: int, pairs: int) -> float:
+        """The activations' round trip of a layer with CPU work: its input rows to the host, the pairs' outputs
+        back, over the measured copy bandwidth, plus the measured fixed time."""
+        return self.transfer_seconds + (rows * self.row_bytes + pairs * self.pair_bytes) / (self.h2d_gbps * 1e9)
 
     @cached_property
-    def _token_counts(self) -> list[int]:     # sorted once: the manager asks for every CPU job of every layer
+    def _cpu_counts(self) -> list[int]:     # sorted once: the planner asks for every miss of every layer
         return sorted(self.cpu_seconds)
+
+    @cached_property
+    def _gpu_counts(self) -> list[int]:
+        return sorted(self.gpu_seconds)
 
     def cpu_jobs_seconds(self, tokens) -> float:
         """One kernel call over experts with these token counts (0 for none)."""
@@ -59,13 +82,17 @@ class CostModel:
 
     def describe(self) -> str:
         cpu = ", ".join(f"{self.cpu_seconds[t] * 1e6:.0f}" for t in sorted(self.cpu_seconds))
-        return (f"load {self.load_seconds(1) * 1e6:.0f} µs/expert ({self.h2d_gbps:.1f} GB/s); CPU {cpu} µs/expert at "
+        gpu = ", ".join(f"{self.gpu_seconds[t] * 1e6:.1f}" for t in sorted(self.gpu_seconds)) or "not measured"
+        return (f"load {self.load_seconds(1) * 1e6:.0f} µs/expert ({self.h2d_gbps:.1f} GB/s), x"
+                f"{self.copy_slowdown_with_cpu:.2f} beside CPU jobs; CPU {cpu} µs/expert at "
                 f"{'/'.join(map(str, sorted(self.cpu_seconds)))} tokens + {self.cpu_call_seconds * 1e6:.0f} µs per "
-                f"call, x{self.cpu_slowdown_with_copies:.2f} while copying ({self.source})")
+                f"call + {self.transfer_seconds * 1e6:.0f} µs activation round trip, x"
+                f"{self.cpu_slowdown_with_copies:.2f} while copying; GPU {gpu} µs/expert ({self.source})")
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["cpu_seconds"] = {str(k): v for k, v in self.cpu_seconds.items()}   # JSON object keys
+        for key in ("cpu_seconds", "gpu_seconds"):
+            d[key] = {str(k): v for k, v in d[key].items()}   # JSON object keys
         return d
 
     def to_json(self) -> str:
@@ -73,8 +100,13 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
+        """A cost model from to_dict(); models written before the GPU and transfer terms existed read with them at
+        0 (a trace recorded then replays on the costs it was recorded with)."""
         try:
-            model = cls(**dict(d, cpu_seconds={int(k): float(v) for k, v in d["cpu_seconds"].items()}))
+            d = dict(d)
+            d.pop("gpu_seconds_per_expert", None)    # version 5's unmeasured GPU term (always 0)
+            model = cls(**dict(d, cpu_seconds={int(k): float(v) for k, v in d["cpu_seconds"].items()},
+                               gpu_seconds={int(k): float(v) for k, v in d.get("gpu_seconds", {}).items()}))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed cost model ({type(e).__name__}: {e})") from None
         if not model.cpu_seconds:
@@ -109,6 +141,115 @@ def _time_copies(store, device, n: int) -> float:
     return best
 
 
+def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int = 5) -> float:
+    """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
+    expert, median of repeats after a warm-up; CUDA events on the GPU."""
+    from .grouped import grouped_swiglu
+
+    layer, n = store.layers[0], min(n_experts, store.config.num_experts)
+    pool = torch.stack([store.blob(layer, e) for e in range(n)]).to(device)
+    x = torch.randn(n * tokens, store.hidden, device=device).to(store.dtype)
+    pair_tokens = torch.arange(n * tokens, device=device)
+    pair_slots = torch.arange(n, device=device).repeat_interleave(tokens)
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            grouped_swiglu(x, pair_tokens, pair_slots, pool, store.hidden, store.intermediate)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            grouped_swiglu(x, pair_tokens, pair_slots, pool, store.hidden, store.intermediate)
+            seconds = time.perf_counter() - t0
+        if i:                                   # the first call warms up
+            times.append(seconds)
+    return sorted(times)[len(times) // 2] / n
+
+
+def _time_transfer(store, device, rows: int, pairs: int, repeats: int = 9) -> float:
+    """Seconds of a layer's activation round trip to the CPU path as the manager makes it: the input rows to a
+    pinned host buffer, the pairs' fp32 outputs back (median)."""
+    cuda = torch.device(device).type == "cuda"
+    x = torch.randn(rows, store.hidden, device=device).to(store.dtype)
+    x_host = torch.empty(rows, store.hidden, dtype=store.dtype, pin_memory=cuda)
+    out_host = torch.empty(pairs, store.hidden, dtype=torch.float32, pin_memory=cuda)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x_host.copy_(x)
+        y = out_host.to(device, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        del y
+    return sorted(times)[len(times) // 2]
+
+
+class _CopyLoad:
+    """Copies of whole layers of expert blobs streaming in a thread until stopped: what the copy engine does while
+    the CPU kernel runs beside it. Each round ends in a blocking wait, so the thread sleeps while the copies run and
+    takes the GIL only to launch a handful of them (many small launches held the GIL: x37 with 48 KiB experts)."""
+
+    def __init__(self, store, device, h2d_gbps: float):
+        import threading
+
+        m = max(1, min(store.config.num_experts, 2**30 // store.expert_bytes))     # at most 1 GiB per copy
+        rounds = max(1, min(len(store.blobs), math.ceil(0.005 * h2d_gbps * 1e9 / (m * store.expert_bytes))))
+        self.sources = [b[:m] for b in store.blobs[:rounds]]
+        self.dst = torch.empty_like(self.sources[0], device=device)
+        self.stream = torch.cuda.Stream(device)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            with torch.cuda.stream(self.stream):
+                for src in self.sources:
+                    self.dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.stream)
+            done.synchronize()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False
+
+
+def _copy_slowdown_with_cpu(store, kernel, device, jobs: int) -> float:
+    """H2D copy time while the CPU kernel runs back-to-back calls in a thread, over the time alone."""
+    import threading
+
+    from .cpu_kernel import calibrate
+
+    n = 16
+    alone = _time_copies(store, device, n)
+    stop = threading.Event()
+
+    def cpu_load():
+        while not stop.is_set():
+            calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=1,
+                      jobs_per_call=jobs)
+
+    t = threading.Thread(target=cpu_load, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)                     # the kernel's working set allocated and its workers running
+        busy = _time_copies(store, device, n)
+    finally:
+        stop.set()
+        t.join()
+    return max(1.0, busy / alone)
+
+
 def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostModel:
     from .cpu_kernel import calibrate, call_overhead
 
@@ -123,38 +264,23 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     cpu = {t: max(s - back_to_back / jobs, 0.1 * s)
            for t, s in calibrate(kernel, store.hidden, store.intermediate, token_counts, dtype=store.dtype,
                                  jobs_per_call=jobs).items()}
-    slowdown = 1.0
-    if torch.device(device).type == "cuda":   # CPU kernel while copies stream: both read host DRAM
-        import threading
-
-        stop = threading.Event()
-        # Whole layers of experts per copy, enough layers for a few ms per round, then a blocking wait: the thread
-        # sleeps while the copies run and takes the GIL only to launch a handful of them, so what is timed is the
-        # DRAM both read, not this thread's Python (many small launches held the GIL: x37 with 48 KiB experts).
-        m = max(1, min(store.config.num_experts, 2**30 // store.expert_bytes))     # at most 1 GiB per copy
-        rounds = max(1, min(len(store.blobs), math.ceil(0.005 * h2d * 1e9 / (m * store.expert_bytes))))
-        sources = [b[:m] for b in store.blobs[:rounds]]
-        dst = torch.empty_like(sources[0], device=device)
-        stream = torch.cuda.Stream(device)
-
-        def copies():
-            while not stop.is_set():
-                with torch.cuda.stream(stream):
-                    for src in sources:
-                        dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)
-                done.record(stream)
-                done.synchronize()
-
-        t = threading.Thread(target=copies, daemon=True)
-        t.start()
-        busy = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3,
-                         jobs_per_call=jobs)
-        stop.set()
-        t.join()
-        slowdown = max(1.0, busy[4] / (cpu[4] + back_to_back / jobs))    # both with the call's share
+    gpu = {t: _time_grouped(store, device, t) for t in token_counts}
+    rows, pairs = store.config.block_length, store.config.block_length * store.config.top_k
+    row_bytes = store.hidden * torch.empty((), dtype=store.dtype).element_size()
+    # the fixed part: the measured round trip less its bytes over the copy bandwidth (which the model adds per use)
+    transfer = max(0.0, _time_transfer(store, device, rows, pairs)
+                   - (rows * row_bytes + pairs * store.hidden * 4) / (h2d * 1e9))
+    cpu_slowdown = copy_slowdown = 1.0
+    if torch.device(device).type == "cuda":   # CPU kernel and copies side by side: both read host DRAM
+        with _CopyLoad(store, device, h2d):
+            busy = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3,
+                             jobs_per_call=jobs)
+        cpu_slowdown = max(1.0, busy[4] / (cpu[4] + back_to_back / jobs))    # both with the call's share
+        copy_slowdown = _copy_slowdown_with_cpu(store, kernel, device, jobs)
     return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu, cpu_call_seconds=call,
-                     cpu_slowdown_with_copies=slowdown, source=f"measured {time.strftime('%Y-%m-%d')}")
+                     cpu_slowdown_with_copies=cpu_slowdown, gpu_seconds=gpu, copy_slowdown_with_cpu=copy_slowdown,
+                     transfer_seconds=transfer, row_bytes=row_bytes, pair_bytes=store.hidden * 4,
+                     source=f"measured {time.strftime('%Y-%m-%d')}")
 
 
 def cache_key(store, kernel, device) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..policies.base import IterationEvent, Policy
+from ..policies.base import ForwardInfo, IterationEvent, Policy
 from .budget import ExpertBudget
 from .cost_model import CostModel
 from .expert_cache import ExpertCache
@@ -152,41 +152,48 @@ class ExpertManager:
         parts, so that a segmented CUDA graph (decoding/graphs.py) replays the device-only middle one: the host
         decisions, the first wave's grouped compute (every hit and the first loads), and the host's finish (further
         waves, prefetches, CPU results)."""
-        work = self.begin_offloaded(layer, x, ids)
+        work = self.begin_offloaded(layer, x, ids, weights)
         y_pairs = self.first_wave(layer, x, work.pair_slots)
         self.end_offloaded(work, x, y_pairs)
         return self.combine(y_pairs, weights)
 
-    def begin_offloaded(self, layer, x, ids, slots_out: torch.Tensor | None = None) -> "OffloadedLayer":
+    def begin_offloaded(self, layer, x, ids, weights, slots_out: torch.Tensor | None = None) -> "OffloadedLayer":
         """Host part one: read the routing back, let the policy decide, issue the first wave's copies and the CPU
         jobs, and put the first wave's slot of every pair (-1: served later) in a device tensor (slots_out if
         given: the buffer a replayed graph reads)."""
-        T, k = ids.shape
         if self.cpu_kernel is not None and self.cpu_wake == "layer" and self._cpu_last_time.get(layer, True):
             self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's round trip
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
-        predicted = None
-        if nxt is None:
-            flat = ids.reshape(-1).cpu().numpy()      # the host round trip: decisions need the routing
-        else:
-            # Prefetch: the next layer's router on this layer's input, brought back in the same round trip. Fetching
-            # it after this layer's experts were launched would make the host wait for them (an in-order stream), so
-            # the prefetch copies could not overlap this layer's compute.
-            ids_next, _ = self.predictors[nxt](x)
-            both = torch.cat([ids.reshape(-1), ids_next.reshape(-1).to(ids.dtype)]).cpu().numpy()
-            flat, predicted = both[: T * k], both[T * k:]
-        step = self.residency.begin_layer(layer, flat)
-        self._cpu_last_time[layer] = bool(step.plan.cpu)
-        cpu_job = None
-        if step.plan.cpu:
-            cpu_job = self._start_cpu(layer, x, flat, step.plan.cpu, copying=bool(step.plan.load))
+        # Prefetch: the next layer's router on this layer's input, brought back in the same round trip. Fetching it
+        # after this layer's experts were launched would make the host wait for them (an in-order stream), so the
+        # prefetch copies could not overlap this layer's compute.
+        ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
+        ids_h, weights_h, predicted = self._read_routing(ids, weights, ids_next)   # the host round trip
+        flat = ids_h.reshape(-1)
+        step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
+        cpu = step.decision.cpu
+        self._cpu_last_time[layer] = bool(cpu)
+        cpu_job = self._start_cpu(layer, x, flat, cpu, copying=bool(step.decision.load)) if cpu else None
         # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
         waves = self.residency.waves(step)
         slots_np, _ = self._issue_wave(layer, flat, next(waves))
         pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
         if slots_out is not None:
             pair_slots = slots_out.copy_(pair_slots)
-        return OffloadedLayer(layer, flat, step, waves, cpu_job, nxt, predicted, pair_slots)
+        return OffloadedLayer(layer, flat, step, waves, cpu_job, pair_slots)
+
+    def _read_routing(self, ids, weights, ids_next):
+        """The layer's routing (and the next layer's predicted ids) on the host: copies into pinned buffers and one
+        wait for them. Returns fresh arrays (a policy may keep them)."""
+        tensors = [ids, weights.float()] + ([ids_next] if ids_next is not None else [])
+        if not self.cuda:
+            host = [t.numpy().copy() for t in tensors]
+        else:
+            bufs = [self._staging(f"routing{i}", t.shape, t.dtype).copy_(t, non_blocking=True)
+                    for i, t in enumerate(tensors)]
+            torch.cuda.current_stream(self.device).synchronize()
+            host = [b.numpy().copy() for b in bufs]
+        return host[0], host[1], (host[2] if ids_next is not None else None)
 
     def first_wave(self, layer, x, pair_slots) -> torch.Tensor:
         """Device part: the first wave's grouped compute over the layer's slots, one output row per (token, expert)
@@ -206,9 +213,9 @@ class ExpertManager:
                 pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
                 self._grouped(work.layer, x, pair_slots, y_pairs, n_valid)
                 self._mark_layer_done(work.layer)
-        if work.next_layer is not None:                # after this layer's copies: its own misses go first
-            wanted, slots = self.residency.prefetch(work.next_layer, work.predicted, work.step.rec)
-            self._copy(work.next_layer, wanted, slots)
+        nxt, wanted, slots = self.residency.prefetch(work.step)   # after this layer's copies: its misses go first
+        if wanted:
+            self._copy(nxt, wanted, slots)
         self.residency.end_layer(work.step)
         if work.cpu_job is not None:
             self._finish_cpu(work.cpu_job, y_pairs, work.step.rec)
@@ -276,8 +283,8 @@ class ExpertManager:
         y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
 
     # ------------------------------------------------------------------------------------------ loop events
-    def begin_forward(self, kind: str) -> None:
-        self.stats.begin_forward(kind)
+    def begin_forward(self, info: ForwardInfo) -> None:
+        self.residency.begin_forward(info)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(FORWARD_HOLD_S)
 
@@ -336,6 +343,4 @@ class OffloadedLayer:
     step: LayerStep
     waves: Iterator[Wave]       # the waves after the first
     cpu_job: tuple | None
-    next_layer: int | None      # prefetch target
-    predicted: np.ndarray | None
     pair_slots: torch.Tensor    # first wave's slot per pair, on the device

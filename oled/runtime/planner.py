@@ -1,53 +1,112 @@
 """Cooperative miss planning: split a layer's misses into experts to load (copy + GPU) and experts to compute on
-the CPU, minimising the layer's makespan minus a credit for loads that save future misses:
+the CPU. One objective, `plan_costs`, used by the search and by the tests:
 
-    cost(L) = max(load(|L|) + gpu(hits + |L|),  cpu(misses - L) * slowdown_if_copying)  -  sum(credit[e] for e in L)
+    gpu(L) = load(|L|) * copy_slowdown_if_cpu_work + sum(gpu_expert(tokens[e]) for e in hits + L)
+    cpu(C) = (cpu_call + sum(cpu_expert(tokens[e]) for e in C)) * cpu_slowdown_if_copying
+             + transfer(rows, pairs of C)                                              (0 if C is empty)
+    cost(L) = max(gpu(L), cpu(C))  -  sum(credit[e] for e in L)  +  sum(evict_loss[:|L| - free_slots])
 
-where cpu(S) is one kernel call over S: a fixed call time plus each expert's time for its tokens (0 for no expert).
+credit[e] is what loading e now is predicted to save later (its reuse); evict_loss[i] what the i-th eviction a
+load causes is predicted to lose (loads into free slots evict nothing). Constraints: min(free slots, misses) <= |L|
+<= max_loads: a free slot is never left empty while a miss goes to the CPU, and loads stay within the slots not
+holding a hit (one wave).
 
-Copies cost the same for every expert, so for a fixed number of loads the best set takes the experts that are
-most expensive on the CPU (with no credit this is exact); with credits the planner also tries the orders by credit
-and by CPU time + credit and keeps the best split. Plain Python: the inputs are host numbers.
+The search is exact for up to EXACT_MAX misses (every subset, vectorised); beyond that it evaluates every split of
+three orders (by CPU-side time, by CPU-side time + credit, by credit), which is exact without credits when the GPU
+time per expert does not depend on its tokens. Plain NumPy over host numbers.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
+
 from .cost_model import CostModel
 
-
-def plan_cost(load: list[int], cpu: list[int], tokens: dict[int, int], hits: int, cost: CostModel,
-              credit: dict[int, float] | None = None) -> float:
-    credit = credit or {}
-    gpu_side = cost.load_seconds(len(load)) + cost.gpu_seconds_per_expert * (hits + len(load))
-    cpu_side = cost.cpu_jobs_seconds(tokens[e] for e in cpu)
-    if load and cpu:
-        cpu_side *= cost.cpu_slowdown_with_copies
-    return max(gpu_side, cpu_side) - sum(credit.get(e, 0.0) for e in load)
+EXACT_MAX = 8     # 2**8 candidate sets: tens of µs per layer
 
 
-def split_misses(tokens: dict[int, int], hits: int, cost: CostModel, credit: dict[int, float] | None = None,
-                 max_loads: int | None = None) -> tuple[list[int], list[int]]:
-    """tokens: miss expert -> tokens routed to it. Returns (load, cpu). max_loads caps the loads (free slots)."""
-    credit = credit or {}
-    misses = list(tokens)
-    cap = len(misses) if max_loads is None else min(max_loads, len(misses))
-    cpu_time = {e: cost.cpu_expert_seconds(tokens[e]) for e in misses}
-    orders = [
-        sorted(misses, key=lambda e: (-cpu_time[e], e)),
-        sorted(misses, key=lambda e: (-(cpu_time[e] + credit.get(e, 0.0)), e)),
-        sorted(misses, key=lambda e: (-credit.get(e, 0.0), -cpu_time[e], e)),
-    ]
-    total_cpu = sum(cpu_time.values())
-    best = (float("inf"), [], misses)
-    for order in orders:   # prefix sums: every split of one order in O(n)
-        removed = gained = 0.0
-        for k in range(cap + 1):
-            if k:
-                removed += cpu_time[order[k - 1]]
-                gained += credit.get(order[k - 1], 0.0)
-            gpu_side = cost.load_seconds(k) + cost.gpu_seconds_per_expert * (hits + k)
-            cpu_side = (total_cpu - removed + (cost.cpu_call_seconds if k < len(misses) else 0.0)) * (
-                cost.cpu_slowdown_with_copies if 0 < k < len(misses) else 1.0)
-            c = max(gpu_side, cpu_side) - gained
-            if c < best[0] - 1e-15:
-                best = (c, order[:k], order[k:])
-    return list(best[1]), list(best[2])
+@dataclass
+class PlanInputs:
+    tokens: dict[int, int]                  # miss expert -> tokens routed to it
+    hit_tokens: list[int] = field(default_factory=list)   # tokens of each hit (computed on the GPU whatever the split)
+    rows: int = 0                           # the layer's input rows (sent to the host when there is CPU work)
+    free_slots: int = 0
+    max_loads: int | None = None
+    credit: dict[int, float] = field(default_factory=dict)
+    evict_loss: list[float] = field(default_factory=list)   # per eviction, in the order they happen
+
+    @property
+    def min_loads(self) -> int:
+        return min(max(self.free_slots, 0), len(self.tokens), self.load_cap)
+
+    @property
+    def load_cap(self) -> int:
+        n = len(self.tokens)
+        return n if self.max_loads is None else max(0, min(self.max_loads, n))
+
+
+def plan_costs(masks: np.ndarray, experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
+    """The objective of each candidate split: masks [S, n] bool, True = load experts[j]. Returns [S] seconds."""
+    masks = np.asarray(masks, dtype=bool).reshape(-1, len(experts))
+    tok = np.array([inputs.tokens[e] for e in experts], dtype=np.int64)
+    cpu_t = np.array([cost.cpu_expert_seconds(int(t)) for t in tok])
+    gpu_t = np.array([cost.gpu_expert_seconds(int(t)) for t in tok])
+    credit = np.array([inputs.credit.get(e, 0.0) for e in experts])
+    n_load = masks.sum(axis=1)
+    n_cpu = len(experts) - n_load
+    has_load, has_cpu = n_load > 0, n_cpu > 0
+    gpu_hits = sum(cost.gpu_expert_seconds(t) for t in inputs.hit_tokens)
+    copy = cost.load_seconds(n_load) * np.where(has_cpu, cost.copy_slowdown_with_cpu, 1.0)
+    gpu_side = copy + gpu_hits + masks @ gpu_t
+    cpu_pairs = (~masks) @ tok
+    cpu_side = np.where(
+        has_cpu,
+        (cost.cpu_call_seconds + (~masks) @ cpu_t) * np.where(has_load, cost.cpu_slowdown_with_copies, 1.0)
+        + cost.cpu_transfer_seconds(inputs.rows, cpu_pairs),
+        0.0)
+    loss = np.concatenate([[0.0], np.cumsum(inputs.evict_loss)]) if inputs.evict_loss else np.zeros(1)
+    evictions = np.clip(n_load - max(inputs.free_slots, 0), 0, len(loss) - 1)
+    return np.maximum(gpu_side, cpu_side) - masks @ credit + loss[evictions]
+
+
+def plan_cost(load: list[int], cpu: list[int], inputs: PlanInputs, cost: CostModel) -> float:
+    """The objective of one split (for tests and reports)."""
+    experts = list(load) + list(cpu)
+    mask = np.array([[True] * len(load) + [False] * len(cpu)])
+    return float(plan_costs(mask, experts, inputs, cost)[0])
+
+
+def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
+    n = len(experts)
+    if n <= EXACT_MAX:
+        return (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1
+    # what an expert adds to the CPU side of a split with loads: its kernel time, slowed beside copies, and its
+    # outputs' way back
+    cpu_t = {e: cost.cpu_expert_seconds(inputs.tokens[e]) * cost.cpu_slowdown_with_copies
+             + cost.cpu_transfer_seconds(0, inputs.tokens[e]) - cost.transfer_seconds for e in experts}
+    credit = inputs.credit
+    orders = [sorted(experts, key=lambda e: (-cpu_t[e], e)),
+              sorted(experts, key=lambda e: (-(cpu_t[e] + credit.get(e, 0.0)), e)),
+              sorted(experts, key=lambda e: (-credit.get(e, 0.0), -cpu_t[e], e))]
+    masks = np.zeros((len(orders) * (n + 1), n), dtype=bool)
+    for i, order in enumerate(orders):   # every prefix of the order: its first k experts loaded
+        position = {e: j for j, e in enumerate(order)}
+        rank = np.array([position[e] for e in experts])
+        masks[i * (n + 1):(i + 1) * (n + 1)] = rank[None, :] < np.arange(n + 1)[:, None]
+    return masks
+
+
+def split_misses(inputs: PlanInputs, cost: CostModel) -> tuple[list[int], list[int]]:
+    """Returns (load, cpu) minimising plan_costs under the load bounds; ties go to fewer loads, then lower ids."""
+    experts = sorted(inputs.tokens)
+    if not experts:
+        return [], []
+    masks = _candidates(experts, inputs, cost)
+    n_load = masks.sum(axis=1)
+    feasible = (n_load >= inputs.min_loads) & (n_load <= inputs.load_cap)
+    masks, n_load = masks[feasible], n_load[feasible]
+    costs = plan_costs(masks, experts, inputs, cost)
+    best = np.lexsort((n_load, np.round(costs, 15)))[0]
+    chosen = masks[best]
+    return [e for e, m in zip(experts, chosen) if m], [e for e, m in zip(experts, chosen) if not m]

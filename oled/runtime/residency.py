@@ -1,10 +1,11 @@
-"""The host-side decisions of the expert manager, with no tensors: slot tables, policy calls, statistics.
+"""The host-side decisions of the expert manager, with no tensors: events to the policy, slot tables, statistics.
 
-Per MoE layer the expert manager asks: which needed experts are resident (hits), how the policy splits the misses
-(load or CPU), which waves of loads fit the layer's slots, which residents are evicted, what is prefetched for the
-next layer; and it records the layer's statistics. All of that lives here, so that the live manager (which also
-copies and computes) and the trace replayer (`oled bench --replay`, no weights, no GPU) run the very same code and
-get the same hits, loads, evictions and CPU pairs from the same routing.
+Per MoE layer the expert manager hands the policy one LayerEvent (the routing per token, the demand, the resident
+set, the forward's layout) and applies its LayerDecision: which misses are loaded and which computed on the CPU,
+the waves of loads that fit the layer's slots, the evictions in the policy's order, what is prefetched for the next
+layer; and it records the layer's statistics. All of that lives here, so that the live manager (which also copies
+and computes) and the trace replayer (`oled bench --replay`, no weights, no GPU) run the very same code and get the
+same hits, loads, evictions and CPU pairs from the same routing.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..policies.base import LayerPlan, Policy, PolicyContext
+from ..policies.base import ForwardInfo, LayerDecision, LayerEvent, Policy, PolicyContext
 from .expert_cache import ExpertCache
 from .stats import LayerRecord, RunStats
 
@@ -23,7 +24,7 @@ class LayerStep:
     layer: int
     demand: dict[int, int]      # expert -> tokens routed to it
     hits: list[int]             # needed experts resident when the layer runs
-    plan: LayerPlan             # the misses: loaded (plan.load) or computed on the CPU (plan.cpu)
+    decision: LayerDecision     # the misses: loaded (decision.load) or computed on the CPU (decision.cpu)
     rec: LayerRecord
 
 
@@ -41,7 +42,8 @@ class Residency:
         self.cache, self.policy, self.stats = cache, policy, stats
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
-        self.expert_bytes = expert_bytes
+        self.expert_bytes, self.num_experts = expert_bytes, num_experts
+        self.forward: ForwardInfo | None = None
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
                                    top_k=top_k, expert_bytes=expert_bytes, costs=costs))
         if policy.static_full and cache.capacity < num_experts:
@@ -55,35 +57,54 @@ class Residency:
             placed.append((layer, experts, [self.cache.insert(layer, e) for e in experts]))
         return placed
 
+    # --------------------------------------------------------------------------------------------- per forward
+    def begin_forward(self, info: ForwardInfo) -> None:
+        self.forward = info
+        self.stats.begin_forward(info.kind)
+        self.policy.on_forward(info)
+
     # --------------------------------------------------------------------------------------------- per layer
-    def begin_layer(self, layer: int, flat: np.ndarray) -> LayerStep:
-        """flat: the layer's routed expert ids, token-major ([T*k]). Asks the policy for the plan, records stats."""
-        experts, counts = np.unique(flat, return_counts=True)
-        demand = dict(zip(experts.tolist(), counts.tolist()))
+    def begin_layer(self, layer: int, ids: np.ndarray, weights: np.ndarray,
+                    predicted: np.ndarray | None = None) -> LayerStep:
+        """ids, weights: the layer's routing [T, k]; predicted: the next layer's predicted ids (policies that want
+        predictions). Hands the policy the layer's event, checks its decision, records the statistics."""
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)     # experts in increasing id order
+        experts = np.flatnonzero(counts)
+        demand = dict(zip(experts.tolist(), counts[experts].tolist()))
         resident = self.cache.resident(layer)
         hits = [e for e in demand if e in resident]
         misses = [e for e in demand if e not in resident]
-        plan = self.policy.plan(layer, demand, set(resident))
-        if sorted(plan.load + plan.cpu) != sorted(misses):
-            raise RuntimeError(f"policy {self.policy.name!r}: plan must split exactly the misses {misses} "
-                               f"into load and cpu, got load={plan.load} cpu={plan.cpu}")
+        forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
+                                              block_length=len(ids))   # a layer run outside the decoding loop
+        event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
+                           resident=set(resident))
+        if predicted is not None and (nxt := self.next_layer(layer)) is not None:
+            p_experts, p_counts = np.unique(predicted, return_counts=True)
+            event.predicted = dict(zip(p_experts.tolist(), p_counts.tolist()))
+            event.next_layer, event.next_resident = nxt, set(self.cache.resident(nxt))
+        decision = self.policy.decide(event)
+        served = set(decision.load) | set(decision.cpu)
+        if len(decision.load) + len(decision.cpu) != len(misses) or served != set(misses):
+            raise RuntimeError(f"policy {self.policy.name!r}: a decision must split exactly the misses {misses} "
+                               f"into load and cpu, got load={decision.load} cpu={decision.cpu}")
         rec = self.stats.layer(layer)
-        rec.pairs, rec.experts, rec.expert_tokens = int(flat.size), len(demand), demand
+        rec.pairs, rec.experts, rec.expert_tokens = int(ids.size), len(demand), demand
         rec.experts_hit = len(hits)
         rec.pairs_hit = sum(demand[e] for e in hits)
-        rec.experts_cpu = len(plan.cpu)
-        rec.pairs_cpu = sum(demand[e] for e in plan.cpu)
-        return LayerStep(layer, demand, hits, plan, rec)
+        rec.experts_cpu = len(decision.cpu)
+        rec.pairs_cpu = sum(demand[e] for e in decision.cpu)
+        return LayerStep(layer, demand, hits, decision, rec)
 
     def waves(self, step: LayerStep):
         """Yield the layer's waves: hits plus as many loads as the layer's slots hold; more loads than slots run in
-        further waves. The slots of a wave's loads are taken (evicting as the policy says) before it is yielded."""
+        further waves. The slots of a wave's loads are taken (evicting in the decision's order) before it is
+        yielded."""
         layer, rec = step.layer, step.rec
-        protected, queue = set(step.hits), list(step.plan.load)
+        protected, queue = set(step.hits), list(step.decision.load)
         while True:
             room = self.cache.capacity - len(protected)
             loads, queue = queue[:room], queue[room:]
-            slots = self._insert(layer, loads, protected | set(loads))
+            slots = self._insert(layer, loads, protected | set(loads), step.decision.evict)
             rec.bytes_h2d += len(loads) * self.expert_bytes
             rec.loads += len(loads)
             yield Wave(loads, slots, protected | set(loads))
@@ -95,20 +116,20 @@ class Residency:
         pos = self.layer_pos[layer] + 1
         return self.layers[pos] if pos < len(self.layers) else None
 
-    def prefetch(self, layer: int, predicted: np.ndarray, rec: LayerRecord) -> tuple[list[int], list[int]]:
-        """Speculative loads for `layer` from its predicted routing (expert ids); returns (experts, slots) to fill.
-        Counted in `rec`, the record of the layer that issues them."""
-        experts, counts = np.unique(predicted, return_counts=True)
-        resident = self.cache.resident(layer)
-        wanted = [e for e in self.policy.prefetch(layer, dict(zip(experts.tolist(), counts.tolist())), set(resident))
-                  if e not in resident][: self.cache.capacity]
-        slots = self._insert(layer, wanted, set(wanted))
-        rec.bytes_h2d += len(wanted) * self.expert_bytes
-        rec.prefetches += len(wanted)
-        return wanted, slots
+    def prefetch(self, step: LayerStep) -> tuple[int | None, list[int], list[int]]:
+        """The decision's speculative loads for the next layer; returns (layer, experts, slots) to fill. Counted in
+        the record of the layer that issues them."""
+        nxt = self.next_layer(step.layer)
+        if nxt is None or not step.decision.prefetch:
+            return nxt, [], []
+        resident = self.cache.resident(nxt)
+        wanted = [e for e in step.decision.prefetch if e not in resident][: self.cache.capacity]
+        slots = self._insert(nxt, wanted, set(wanted), step.decision.prefetch_evict)
+        step.rec.bytes_h2d += len(wanted) * self.expert_bytes
+        step.rec.prefetches += len(wanted)
+        return nxt, wanted, slots
 
     def end_layer(self, step: LayerStep) -> None:
-        self.policy.on_access(step.layer, step.demand)
         resident_after = self.cache.resident(step.layer)
         step.rec.resident = len(resident_after)
         step.rec.resident_used = sum(1 for e in step.demand if e in resident_after)
@@ -123,18 +144,16 @@ class Residency:
         rec.expert_tokens = dict(zip(experts.tolist(), counts.tolist()))
 
     # ------------------------------------------------------------------------------------------------ slots
-    def _insert(self, layer: int, experts: list[int], protected: set[int]) -> list[int]:
+    def _insert(self, layer: int, experts: list[int], protected: set[int], evict_order: list[int]) -> list[int]:
         slots = []
+        order = iter(evict_order)
         for e in experts:
-            self._make_room(layer, protected)
+            if not self.cache.has_free_slot(layer):
+                resident = self.cache.resident(layer)
+                victim = next((v for v in order if v in resident and v not in protected), None)
+                if victim is None:
+                    raise RuntimeError(f"policy {self.policy.name!r}: no expert of layer {layer} to evict for "
+                                       f"{e} (eviction order {evict_order}, protected {sorted(protected)})")
+                self.cache.evict(layer, victim)
             slots.append(self.cache.insert(layer, e))
         return slots
-
-    def _make_room(self, layer: int, protected: set[int]) -> None:
-        if self.cache.has_free_slot(layer):
-            return
-        candidates = [e for e in self.cache.resident(layer) if e not in protected]
-        victim = self.policy.victim(layer, candidates)
-        if victim not in candidates:
-            raise RuntimeError(f"policy {self.policy.name!r} chose victim {victim} outside the candidates")
-        self.cache.evict(layer, victim)

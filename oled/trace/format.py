@@ -7,7 +7,8 @@ One compressed NumPy archive (np.savez_compressed, any file name). `ops` is the 
                   ids / weights (top-k expert ids and weights per token of the forward, token-major)
   (END, 0)        end_forward()
   (EVENT, j)      on_iteration(event j): block, step, iteration, done, per block position state and confidence
-Per forward: kind, start position and token count (so rows map to block positions: block row = position - start).
+Per forward: kind, start position, token count and the block's start (rows map to block positions: block position
+= start + row - block start).
 Per run, optionally, the predicted routing of the next MoE layer (that layer's router applied to this layer's
 input, what `prefetch` policies see): rows pred_offset[i]:pred_offset[i+1] of pred_ids (empty for the last layer).
 Per request: prompt and output token ids. `header` is a JSON document: model shapes, engine and decoding settings,
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..policies.base import IterationEvent
+from ..policies.base import ForwardInfo, IterationEvent
 
 REQUEST, BEGIN, RUN, END, EVENT = range(5)
 KINDS = ("prefill", "iteration", "cache_fill")
@@ -54,9 +55,12 @@ class Trace:
     req_prompt_ids: np.ndarray
     req_output_offset: np.ndarray   # [Q+1]
     req_output_ids: np.ndarray
+    fwd_block_start: np.ndarray = field(default=None)   # [F] int32: canvas position of the block being decoded
     fwd_request: np.ndarray = field(default=None)   # [F] int32, derived
 
     def __post_init__(self):
+        if self.fwd_block_start is None:   # traces before it was recorded: blocks at multiples of the block length
+            self.fwd_block_start = self._block_starts_from_events()
         if self.fwd_request is None:
             req = np.full(len(self.fwd_kind), -1, dtype=np.int32)
             current, f = -1, 0
@@ -67,6 +71,35 @@ class Trace:
                     req[f] = current
                     f += 1
             self.fwd_request = req
+
+    def _block_starts_from_events(self) -> np.ndarray:
+        """Each forward's block from the iteration event that follows it (prefills: the block after them)."""
+        B = int(self.header["decode"]["block_length"])
+        starts = np.zeros(len(self.fwd_kind), dtype=np.int32)
+        pending, f = [], -1
+
+        def finished_block():   # forwards after a request's last event (a cache fill): the block they finished
+            for g in pending:
+                starts[g] = starts[g - 1] if g else 0
+            pending.clear()
+
+        for op, arg in self.ops.tolist():
+            if op == BEGIN:
+                f += 1
+                pending.append(f)
+            elif op == EVENT:
+                for g in pending:
+                    starts[g] = self.ev_block[arg] * B
+                pending.clear()
+            elif op == REQUEST:
+                finished_block()
+        finished_block()
+        return starts
+
+    def forward_info(self, f: int) -> ForwardInfo:
+        return ForwardInfo(kind=KINDS[self.fwd_kind[f]], start=int(self.fwd_start[f]), tokens=int(self.fwd_tokens[f]),
+                           block_start=int(self.fwd_block_start[f]),
+                           block_length=int(self.header["decode"]["block_length"]))
 
     # ------------------------------------------------------------------------------------------------ access
     @property
@@ -79,6 +112,9 @@ class Trace:
 
     def run_ids(self, i: int) -> np.ndarray:
         return self.ids[self.run_offset[i]: self.run_offset[i + 1]]
+
+    def run_weights(self, i: int) -> np.ndarray:
+        return self.weights[self.run_offset[i]: self.run_offset[i + 1]]
 
     def run_pred(self, i: int) -> np.ndarray | None:
         a, b = self.pred_offset[i], self.pred_offset[i + 1]
@@ -124,7 +160,7 @@ class Trace:
         path = Path(path)
         if path.parent and not path.parent.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {name: getattr(self, name) for name in ARRAYS}
+        arrays = {name: getattr(self, name) for name in ARRAYS + OPTIONAL_ARRAYS}
         header = json.dumps(self.header, default=_json_default).encode()
         with open(path, "wb") as f:
             np.savez_compressed(f, header=np.frombuffer(header, dtype=np.uint8), **arrays)
@@ -148,12 +184,13 @@ class Trace:
         missing = [a for a in ARRAYS if a not in data]
         if missing:
             raise ValueError(f"{path}: trace lacks {', '.join(missing)}")
-        return cls(header=header, **{a: data[a] for a in ARRAYS})
+        return cls(header=header, **{a: data[a] for a in ARRAYS + OPTIONAL_ARRAYS if a in data})
 
 
 ARRAYS = ("ops", "fwd_kind", "fwd_start", "fwd_tokens", "run_layer", "run_forward", "run_offset", "ids", "weights",
           "pred_offset", "pred_ids", "ev_forward", "ev_block", "ev_step", "ev_iteration", "ev_done", "ev_offset",
           "ev_state", "ev_conf", "req_prompt_offset", "req_prompt_ids", "req_output_offset", "req_output_ids")
+OPTIONAL_ARRAYS = ("fwd_block_start",)   # absent from traces recorded before it: derived on load
 
 
 def _json_default(o):

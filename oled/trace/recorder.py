@@ -1,4 +1,4 @@
-"""Recording a trace: a thin wrapper around the expert manager (and a tap on the model for forward positions).
+"""Recording a trace: a thin wrapper around the expert manager.
 
 Off by default: nothing is recorded unless `record()` (or `oled trace`) puts the recorder in place. The routing is
 kept on the device during a forward and moved to the host in one transfer per forward, like the manager's static
@@ -25,6 +25,7 @@ class TraceRecorder:
         self.fwd_kind: list[int] = []
         self.fwd_start: list[int] = []
         self.fwd_tokens: list[int] = []
+        self.fwd_block_start: list[int] = []
         self.run_layer: list[int] = []
         self.run_forward: list[int] = []
         self.run_rows: list[int] = [0]
@@ -53,14 +54,15 @@ class TraceRecorder:
         self._pending.append((ids, weights, pred))
         return self.manager.run(layer, x, ids, weights)
 
-    def begin_forward(self, kind: str) -> None:
+    def begin_forward(self, info) -> None:
         self._flush()
         self._forward += 1
-        self.ops.append((BEGIN, KINDS.index(kind)))
-        self.fwd_kind.append(KINDS.index(kind))
-        self.fwd_start.append(-1)
-        self.fwd_tokens.append(-1)
-        self.manager.begin_forward(kind)
+        self.ops.append((BEGIN, KINDS.index(info.kind)))
+        self.fwd_kind.append(KINDS.index(info.kind))
+        self.fwd_start.append(info.start)
+        self.fwd_tokens.append(info.tokens)
+        self.fwd_block_start.append(info.block_start)
+        self.manager.begin_forward(info)
 
     def end_forward(self) -> None:
         self._flush()
@@ -79,10 +81,6 @@ class TraceRecorder:
         self.manager.on_request_start()
 
     # ------------------------------------------------------------------------------------------ bookkeeping
-    def forward_position(self, start: int, tokens: int) -> None:
-        self.fwd_start[self._forward] = start
-        self.fwd_tokens[self._forward] = tokens
-
     def begin_request(self, prompt_id: str, prompt_ids: list[int]) -> None:
         self.requests.append({"id": prompt_id, "prompt_ids": list(prompt_ids), "output_ids": []})
 
@@ -134,6 +132,7 @@ class TraceRecorder:
             fwd_kind=np.asarray(self.fwd_kind, dtype=np.int8),
             fwd_start=np.asarray(self.fwd_start, dtype=np.int32),
             fwd_tokens=np.asarray(self.fwd_tokens, dtype=np.int32),
+            fwd_block_start=np.asarray(self.fwd_block_start, dtype=np.int32),
             run_layer=np.asarray(self.run_layer, dtype=np.int32),
             run_forward=np.asarray(self.run_forward, dtype=np.int32),
             run_offset=np.asarray(self.run_rows, dtype=np.int64),
@@ -156,26 +155,11 @@ class TraceRecorder:
         )
 
 
-class _ModelTap:
-    """The model, seen by the decoding loop, reporting each forward's start position and token count."""
-
-    def __init__(self, model, recorder: TraceRecorder):
-        self._model, self._recorder = model, recorder
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["_model"], name)
-
-    def __call__(self, input_ids, start, *args, **kwargs):
-        self._recorder.forward_position(int(start), int(input_ids.shape[0]))
-        return self._model(input_ids, start, *args, **kwargs)
-
-
 def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None) -> tuple[TraceRecorder, list]:
     """Run prompts [(id, token ids)] through the engine with a recorder in place; returns the recorder and the
     GenerationResults. The engine's manager is put back afterwards."""
     rec = TraceRecorder(engine.manager, predictions=predictions)
     blocks = engine.model.moe_blocks()
-    tap = _ModelTap(engine.model, rec)
     results = []
     for block in blocks:
         block.experts = rec
@@ -183,7 +167,7 @@ def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None)
         for pid, ids in prompts:
             params.validate()
             rec.begin_request(pid, ids)
-            res = generate(tap, rec, ids, params, timer=engine.timer)
+            res = generate(engine.model, rec, ids, params, timer=engine.timer)
             rec.end_request(res.token_ids)
             results.append(res)
             if on_prompt is not None:

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from ..policies import make_policy
-from ..policies.base import Policy
+from ..policies.base import ForwardInfo, Policy
 from ..runtime.budget import ExpertBudget, parse_budget
 from ..runtime.cost_model import CostModel
 from ..runtime.expert_cache import ExpertCache
 from ..runtime.residency import Residency
 from ..runtime.stats import RunStats
-from .format import BEGIN, END, EVENT, KINDS, REQUEST, RUN, Trace
+from .format import BEGIN, END, EVENT, REQUEST, RUN, Trace
 
 
 class ReplayManager:
@@ -33,39 +33,49 @@ class ReplayManager:
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
                                    top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs)
         self.residency.place_initial()
+        if policy.needs_future:
+            policy.set_future(self.demand_sets())
         self.prediction = "recorded" if trace.has_predictions else "oracle (next layer's actual routing)"
+
+    def demand_sets(self) -> dict[int, list[set[int]]]:
+        """Per MoE layer, the expert sets of its runs in replay order (what a policy that knows the future sees)."""
+        sets: dict[int, list[set[int]]] = {layer: [] for layer in self.trace.layers}
+        for i, layer in enumerate(self.trace.run_layer.tolist()):
+            sets[layer].append(set(self.trace.run_ids(i).reshape(-1).tolist()))
+        return sets
 
     def _predicted(self, i: int, nxt: int) -> np.ndarray | None:
         t = self.trace
         pred = t.run_pred(i)
         if pred is not None:
-            return pred.reshape(-1)
+            return pred
         j = i + 1      # no recorded prediction: the next layer's actual routing in the same forward
         if j < len(t.run_layer) and t.run_forward[j] == t.run_forward[i] and t.run_layer[j] == nxt:
-            return t.run_ids(j).reshape(-1)
+            return t.run_ids(j)
         return None
 
     def replay(self) -> RunStats:
         t, policy, res = self.trace, self.policy, self.residency
         static_log: list[tuple[int, np.ndarray]] = []
+        forward = -1
         for op, arg in t.ops.tolist():
             if op == RUN:
                 layer, ids = int(t.run_layer[arg]), t.run_ids(arg).astype(np.int64)
                 if policy.static_full:
                     static_log.append((layer, ids))
                     continue
-                step = res.begin_layer(layer, ids.reshape(-1))
+                predicted = None
+                if policy.wants_prediction and (nxt := res.next_layer(layer)) is not None:
+                    predicted = self._predicted(arg, nxt)
+                    predicted = None if predicted is None else predicted.astype(np.int64)
+                step = res.begin_layer(layer, ids, t.run_weights(arg).copy(), predicted)
                 for _ in res.waves(step):
                     pass
-                if policy.wants_prediction:
-                    nxt = res.next_layer(layer)
-                    if nxt is not None:
-                        predicted = self._predicted(arg, nxt)
-                        if predicted is not None:
-                            res.prefetch(nxt, predicted.astype(np.int64), step.rec)
+                res.prefetch(step)
                 res.end_layer(step)
             elif op == BEGIN:
-                self.stats.begin_forward(KINDS[arg])
+                forward += 1
+                res.begin_forward(t.forward_info(forward))
             elif op == END:
                 for layer, ids in static_log:
                     res.record_static(layer, ids)
@@ -75,6 +85,38 @@ class ReplayManager:
             elif op == REQUEST:
                 policy.on_request_start()
         return self.stats
+
+
+def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, expert_bytes: int, expert_budget,
+                   policy: str = "belady") -> RunStats:
+    """Replay the routing a live run recorded in its statistics (LayerRecord.expert_tokens per layer and forward)
+    through a policy that needs no token layout (belady): the retention bound of a live benchmark, on the very
+    routing of its reference pass."""
+    budget = parse_budget(expert_budget, num_layers=len(layers), num_experts=num_experts, expert_bytes=expert_bytes)
+    pol = make_policy(policy)
+    cache = ExpertCache(layers, budget, 1, torch.float32, "meta")
+    stats = RunStats()
+    res = Residency(cache, pol, stats, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes)
+    res.place_initial()
+    routed = [(r.forward, r.kind, r.layer, np.repeat(np.fromiter(r.expert_tokens, np.int64, len(r.expert_tokens)),
+                                                      list(r.expert_tokens.values())).reshape(-1, 1))
+              for r in records]
+    if pol.needs_future:
+        sets: dict[int, list[set[int]]] = {layer: [] for layer in layers}
+        for _, _, layer, ids in routed:
+            sets[layer].append(set(ids.reshape(-1).tolist()))
+        pol.set_future(sets)
+    forward = None
+    for f, kind, layer, ids in routed:
+        if f != forward:
+            forward = f
+            res.begin_forward(ForwardInfo(kind=kind, start=0, tokens=len(ids), block_start=0,
+                                          block_length=len(ids)))
+        step = res.begin_layer(layer, ids, np.ones(ids.shape, np.float32))
+        for _ in res.waves(step):
+            pass
+        res.end_layer(step)
+    return stats
 
 
 def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,

@@ -1,0 +1,113 @@
+"""`oled`: confidence-guided inter-iteration retention and reuse-aware cooperative miss handling.
+
+Adjacent denoising iterations of a block route to nearly the same experts, and each position's state and
+confidence say whether its routing will repeat (policies/reuse.py). So instead of prefetching the next layer:
+  1. Reuse prediction: after each iteration, a score per (layer, expert) from the positions that routed to it,
+     each weighted by its calibrated probability of being routed the same way next iteration, with decayed history
+     and, at a block boundary, the first-iteration mask routing of the block just done.
+  2. Retention (`retention=reuse`): when a slot is needed, evict the resident expert with the lowest score (ties:
+     least recently used); the experts the current layer needs go last, and the runtime never evicts one the wave
+     being served needs. No speculative loads.
+  3. Cooperative misses (`misses=cooperative`): per layer the planner (runtime/planner.py) splits the misses
+     between loading and the CPU, minimising the layer's makespan minus the reuse credit of each load, plus the
+     predicted value of what each load evicts. A miss's credit is P(some position routed to it now routes to it
+     next iteration) times what a hit then saves (the cheaper of a load and its CPU time); a resident's value is
+     P(reuse) = 1 - exp(-score) times the same saving.
+Variants (the ablations): `oled` = reuse retention + cooperative misses; `oled-retain` = reuse retention, every
+miss loaded; `oled-coop` = LRU retention + reuse-aware cooperative misses.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import EvictionOrder, LayerDecision, LayerEvent
+from .lru import LRUPolicy
+from .reuse import WEIGHTINGS, ReuseCalibration, ReusePredictor
+
+RETENTIONS = ("reuse", "lru")
+
+
+class OledPolicy(LRUPolicy):
+    name = "oled"
+    options = ("misses", "retention", "decay", "weighting", "calibration")
+
+    def __init__(self, misses: str = "cooperative", retention: str = "reuse", decay: float = 0.0,
+                 weighting: str = "count", calibration=None):
+        super().__init__(misses=misses)
+        if retention not in RETENTIONS:
+            raise ValueError(f"policy {self.name!r}: retention must be one of {', '.join(RETENTIONS)}, "
+                             f"got {retention!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"policy {self.name!r}: weighting must be one of {', '.join(WEIGHTINGS)}, "
+                             f"got {weighting!r}")
+        decay = float(decay)
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"policy {self.name!r}: decay must be in [0, 1), got {decay!r}")
+        self.retention, self.decay, self.weighting = retention, decay, weighting
+        self.calibration = ReuseCalibration.load(calibration)
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.predictor = ReusePredictor(ctx.layers, ctx.num_experts, self.calibration, decay=self.decay,
+                                        weighting=self.weighting)
+
+    # ------------------------------------------------------------------------------------------------ events
+    def on_request_start(self):
+        super().on_request_start()
+        self.predictor.reset()
+
+    def on_forward(self, info):
+        self.predictor.on_forward(info)
+
+    def on_iteration(self, event):
+        super().on_iteration(event)
+        self.predictor.on_iteration(event)
+
+    def decide(self, event: LayerEvent) -> LayerDecision:
+        layer = event.layer
+        self.touch(layer)
+        self.predictor.observe(layer, event.ids, event.weights)
+        load, cpu = self.split(event)
+        self.pending[layer] = event.demand
+        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident | set(load),
+                                                                            needed=event.demand))
+
+    # ------------------------------------------------------------------------------------------------ retention
+    def eviction_order(self, layer, candidates, needed=()):
+        if self.retention == "lru":
+            return super().eviction_order(layer, candidates)
+        score, last = self.predictor.layer_scores(layer), self.last_use[layer]
+        return EvictionOrder(lambda: sorted(candidates, key=lambda e: (e in needed, score[e], last.get(e, -1), e)))
+
+    # ------------------------------------------------------------------------------------------------ misses
+    def split(self, event):
+        if self.misses == "load":
+            return event.misses, []
+        misses = event.misses
+        if not misses:
+            return [], []
+        costs = self.ctx.costs
+        rows, positions = self.predictor.row_positions()
+        p_row = self.predictor.current_p(rows, positions, len(event.ids))
+        credit = {}
+        for e in misses:
+            routed = np.nonzero((event.ids == e).any(axis=1))[0]
+            reuse = 1.0 - float(np.prod(1.0 - p_row[routed]))
+            credit[e] = reuse * self._saving(costs, event.demand[e])
+        free = self.ctx.capacity - len(event.resident)
+        extra = max(0, len(misses) - max(free, 0))
+        loss = []
+        if extra:
+            victims = [e for e in self.eviction_order(event.layer, event.resident, needed=event.demand)
+                       if e not in event.demand][:extra]
+            score = self.predictor.layer_scores(event.layer)
+            tokens = max(1, round(event.ids.size / max(len(event.demand), 1)))    # a typical expert's tokens
+            loss = [(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]
+        return self.cooperative_split(event, credit=credit, evict_loss=loss)
+
+    @staticmethod
+    def _saving(costs, tokens: int) -> float:
+        """What a hit saves over serving the expert as a miss: the cheaper of a load and its CPU time."""
+        return min(costs.load_seconds(1), costs.cpu_expert_seconds(tokens))
