@@ -4,6 +4,7 @@ mid-block, every cache mode; the request's block length in the mask; the LLaDA-M
 router rules; and the bounds that keep bad weights or parameters from hanging a request."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -230,3 +231,19 @@ def test_huge_steps_and_block_length_are_bounded(models, arch):
     assert time.perf_counter() - t0 < 30
     with pytest.raises(ValueError, match="minimal_topk must be positive"):
         llm.generate(prompt_token_ids=_prompt(9), gen_length=4, minimal_topk=0)
+
+
+def test_cli_reports_non_finite_weights_in_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from oled.cli import main
+
+    ckpt = write_checkpoint(preset_config("tiny"), tmp_path, seed=3)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = ckpt / index["lm_head.weight"]
+    tensors = load_file(str(shard))
+    tensors["lm_head.weight"][5, 3] = float("nan")
+    save_file(tensors, str(shard))
+    assert main(["generate", "--model", str(ckpt), "--device", "cpu", "hello", "--gen-length", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "oled generate: error: the model produced a non-finite prediction" in err[0]

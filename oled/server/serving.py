@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from ..decoding.loop import ContextTooLong
+from ..decoding.loop import ContextTooLong, NonFiniteError
 from ..decoding.params import DecodeParams
 from ..decoding.procedure import procedure_for, usable_positions
 from .metrics import Metrics
@@ -355,6 +355,10 @@ class EngineWorker:
                                           on_block=on_block, cancelled=lambda t=text: job.cancelled or t.stopped)
             except ContextTooLong as e:
                 job.push(("error", RequestError(str(e), param="max_tokens", code="context_length_exceeded")))
+                job.push(("done",))
+                return
+            except NonFiniteError as e:          # the model's fault, not the request's
+                job.push(("error", RequestError(str(e), status=500, type="server_error", code="non_finite_output")))
                 job.push(("done",))
                 return
             except ValueError as e:
