@@ -229,8 +229,10 @@ def test_huge_steps_and_block_length_are_bounded(models, arch):
     out = llm.generate(prompt_token_ids=_prompt(9), gen_length=4, block_length=1000, **rule)
     assert len(out.token_ids) == 4 and out.counters["nfe"] <= 4
     assert time.perf_counter() - t0 < 30
-    with pytest.raises(ValueError, match="minimal_topk must be positive"):
+    with pytest.raises(ValueError, match="minimal_topk must be a positive integer, got 0"):
         llm.generate(prompt_token_ids=_prompt(9), gen_length=4, minimal_topk=0)
+    with pytest.raises(ValueError, match=r"steps must be a positive integer, got 50000000\.0"):
+        llm.generate(prompt_token_ids=_prompt(9), gen_length=4, steps=5e7)
 
 
 def test_cli_reports_non_finite_weights_in_one_line(tmp_path, capsys):
