@@ -249,3 +249,21 @@ def test_cli_reports_non_finite_weights_in_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(ckpt), "--device", "cpu", "hello", "--gen-length", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "oled generate: error: the model produced a non-finite prediction" in err[0]
+
+
+def test_server_answers_non_finite_weights_with_a_500_and_keeps_serving():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from oled.server import create_app
+
+    llm = oled.LLM(random_weights="tiny", policy="full", device="cpu", dtype="float32")
+    llm.engine.model.lm_head.weight.data[7, 0] = float("nan")
+    with TestClient(create_app(llm.engine)) as client:
+        body = {"model": llm.engine.model_name, "prompt": "hi", "max_tokens": 8}
+        for _ in range(2):                      # the engine thread is free again after each
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 500
+            err = r.json()["error"]
+            assert err["code"] == "non_finite_output" and "non-finite prediction" in err["message"]
+        assert client.get("/health").status_code == 200
