@@ -33,8 +33,7 @@ class Block:
 
 
 class Procedure:
-    name = "base"
-    pads_to_blocks = False
+    pads_to_blocks = False          # the canvas is rounded up to whole blocks (context checks say so)
 
     def canvas_length(self, prompt_len: int, gen_length: int, block_length: int) -> int:
         raise NotImplementedError
@@ -57,7 +56,6 @@ class Procedure:
 
 
 class LLaDA2Procedure(Procedure):
-    name = "llada2"
     pads_to_blocks = True
 
     def canvas_length(self, prompt_len, gen_length, block_length):
@@ -78,8 +76,6 @@ class LLaDA2Procedure(Procedure):
 
 
 class LLaDAProcedure(Procedure):
-    name = "llada"
-
     def canvas_length(self, prompt_len, gen_length, block_length):
         return prompt_len + gen_length
 

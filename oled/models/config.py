@@ -100,7 +100,8 @@ def _llada2(raw: dict) -> dict:
 def _lladamoe(raw: dict) -> dict:
     """The official LLaDA-MoE code (modeling_lladamoe.py) derives the head size from hidden_size / heads and fixes
     norm_topk_prob to False, whatever config.json says; a config that asks otherwise describes a model that code
-    does not run, so it is refused rather than silently reinterpreted (the published config agrees with both)."""
+    does not run, so it is refused rather than silently reinterpreted (the published config agrees with both). Its
+    router is always a softmax (the block stores moe_router_score_function but never reads it), and so is ours."""
     hidden = _get(raw, "hidden_size")
     heads = _get(raw, "num_attention_heads")
     if hidden % heads:
