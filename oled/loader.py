@@ -50,7 +50,9 @@ NAME_TEMPLATES = {
         ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.mlp_norm.weight", None),
         ("model.layers.{i}.mlp.{p}_proj.weight", "layers.{i}.mlp.{p}_proj.weight", GATE_UP_DOWN),
         ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router_weight", None),
-        ("model.layers.{i}.mlp.shared_expert.{p}_proj.weight", "layers.{i}.mlp.shared.{p}_proj.weight", GATE_UP_DOWN),
+        ("model.layers.{i}.mlp.expert_bias", "layers.{i}.mlp.expert_bias", None),
+        # a sibling of the MoE block in the official layer, fed the same normalised input: ours lives in the block
+        ("model.layers.{i}.shared_expert.{p}_proj.weight", "layers.{i}.mlp.shared.{p}_proj.weight", GATE_UP_DOWN),
         ("model.norm.weight", "norm.weight", None),
         ("lm_head.weight", "lm_head.weight", None),
     ],
@@ -98,10 +100,9 @@ class LoadedModel:
 def build_empty(config: ModelConfig, dtype: torch.dtype, device, pin: bool) -> LoadedModel:
     """The model with uninitialised non-expert weights on `device`, and an empty expert store on the host."""
     with torch.device("meta"):
+        # every tensor in `dtype`, the router's bias included: the official models hold it in the dtype they are
+        # loaded in (the published files store it in fp32)
         model = MoEDiffusionLM(config).to(dtype)
-        for block in model.moe_blocks():          # the router's bias stays fp32, as published
-            if block.expert_bias is not None:
-                block.expert_bias.data = block.expert_bias.data.float()
     model = model.to_empty(device=device).eval()
     model.requires_grad_(False)
     return LoadedModel(config, model, ExpertStore(config, dtype, pin=pin))

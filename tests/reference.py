@@ -1,8 +1,11 @@
 """A plain reference of the official procedure, written independently of the engine, for equivalence tests.
 
 Reads the checkpoint's safetensors directly, computes in fp32 with explicit loops where the math is subtle
-(routing, MoE), recomputes the whole visible sequence every iteration (no KV cache), and decodes with the LLaDA2
-rule of DESIGN.md section 4.3.
+(routing, MoE), recomputes the whole visible sequence every iteration (no KV cache), and decodes as the official
+procedures do: LLaDA2's `generate()` for llada2_moe, the LLaDA repository's `generate()` for LLaDA-MoE (both
+transcribed literally, including their quirks: LLaDA2 caps steps at gen_length // minimal_topk and builds its
+block-causal mask from the requested block length; LLaDA starts its blocks at the end of the prompt, on a canvas of
+exactly prompt + gen_length, and lets every mask before the block's end compete for the commits).
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ class RefModel:
         c = self.cfg
         self.llada2 = c["model_type"] == "llada2_moe"
         self.H, self.nh, self.nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-        self.hd = c.get("head_dim") or self.H // self.nh
+        # LLaDA2 reads head_dim from the config; the LLaDA-MoE attention always uses hidden_size // heads
+        self.hd = (c.get("head_dim") or self.H // self.nh) if self.llada2 else self.H // self.nh
         self.rot = int(self.hd * c.get("partial_rotary_factor", 1.0))
         self.theta = c["rope_theta"]
         self.eps = c["rms_norm_eps"]
@@ -65,8 +69,8 @@ class RefModel:
                 ws = [s[e].item() for e in chosen]
                 tot = sum(ws)
                 ws = [w / tot * c["routed_scaling_factor"] for w in ws]
-            else:
-                pr = torch.softmax(logits[t], -1)
+            else:   # the bias (if any) is added to the probabilities, and so weights the experts too
+                pr = torch.softmax(logits[t], -1) + self.w.get(f"model.layers.{layer}.mlp.expert_bias", 0.0)
                 chosen = sorted(range(pr.shape[0]), key=lambda e: -pr[e].item())[:k]
                 ws = [pr[e].item() for e in chosen]
             out.append(list(zip(chosen, ws)))
@@ -81,12 +85,12 @@ class RefModel:
         for t, choice in enumerate(self.route(x, layer)):
             for e, w in choice:
                 out[t] += w * self.mlp(x[t:t + 1], f"model.layers.{layer}.mlp.experts.{e}")[0]
-        shared = "shared_experts" if self.llada2 else "shared_expert"
-        if f"model.layers.{layer}.mlp.{shared}.gate_proj.weight" in self.w:
-            out += self.mlp(x, f"model.layers.{layer}.mlp.{shared}")
+        shared = f"model.layers.{layer}.mlp.shared_experts" if self.llada2 else f"model.layers.{layer}.shared_expert"
+        if f"{shared}.gate_proj.weight" in self.w:
+            out += self.mlp(x, shared)
         return out
 
-    def attention(self, x, layer, pos):
+    def attention(self, x, layer, pos, block_length):
         p = f"model.layers.{layer}."
         T = x.shape[0]
         if self.llada2:
@@ -103,34 +107,46 @@ class RefModel:
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.hd)
-        if self.llada2:   # block-causal
-            visible = (pos[None, :] // self.B) <= (pos[:, None] // self.B)
+        if self.llada2:   # block-causal, in blocks of the length the request decodes with
+            visible = (pos[None, :] // block_length) <= (pos[:, None] // block_length)
             scores = scores.masked_fill(~visible, float("-inf"))
         att = torch.softmax(scores, -1)
         out = torch.einsum("hqk,khd->qhd", att, v).reshape(T, -1)
         return out @ self.w[p + o + ".weight"].t()
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, block_length: int | None = None) -> torch.Tensor:
         c = self.cfg
+        block_length = block_length or self.B
         emb = "model.word_embeddings.weight" if self.llada2 else "model.embed_tokens.weight"
         h = self.w[emb][ids]
         pos = torch.arange(ids.shape[0])
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            h = h + self.attention(self.rms(h, self.w[p + "input_layernorm.weight"]), i, pos)
+            h = h + self.attention(self.rms(h, self.w[p + "input_layernorm.weight"]), i, pos, block_length)
             x = self.rms(h, self.w[p + "post_attention_layernorm.weight"])
             h = h + (self.mlp(x, p + "mlp") if i < self.dense else self.moe(x, i))
         return self.rms(h, self.w["model.norm.weight"]) @ self.w["lm_head.weight"].t()
 
-    # ---------------------------------------------------------------- the official decoding procedure
+    # ---------------------------------------------------------------- the official decoding procedures
     @torch.no_grad()
-    def generate(self, prompt, gen_length, block_length, threshold, steps=None):
+    def generate(self, prompt, gen_length, block_length, threshold, steps=None, minimal_topk=1):
+        """The official procedure of this architecture; `steps` is per block (LLaDA's own argument is the total,
+        divided evenly among the blocks). The output is cut after the first EOS (LLaDA's returns the whole canvas
+        and its callers cut)."""
+        run = self._generate_llada2 if self.llada2 else self._generate_llada
+        out = run(prompt, gen_length, block_length, threshold, steps or block_length, minimal_topk)
+        return out[: out.index(self.cfg["eos_token_id"]) + 1] if self.cfg["eos_token_id"] in out else out
+
+    @staticmethod
+    def _schedule(tokens, steps):
+        return [tokens // steps + (1 if i < tokens % steps else 0) for i in range(steps)]
+
+    def _generate_llada2(self, prompt, gen_length, B, threshold, steps, minimal_topk):
         c = self.cfg
         mask_id, eos_id = c["mask_token_id"], c["eos_token_id"]
-        B = block_length
-        steps = steps or B
-        sched = [B // steps + (1 if i < B % steps else 0) for i in range(steps)]
+        steps = min(steps, gen_length // minimal_topk)
+        sched = self._schedule(B, steps)
         P = len(prompt)
         total = -(-(P + gen_length) // B) * B
         x = torch.full((total,), mask_id, dtype=torch.long)
@@ -138,22 +154,42 @@ class RefModel:
         for b in range(P // B, total // B):
             bs, be = b * B, (b + 1) * B
             for step in range(steps):
-                is_mask = x[bs:be] == mask_id
-                is_mask[: max(P - bs, 0)] = False
+                is_mask = x[bs:be] == mask_id          # the prompt's own masks in this block included
                 if not is_mask.any():
                     break
-                visible_end = be if self.llada2 else total
-                logits = self.forward(x[:visible_end])[bs:be]
+                logits = self.forward(x[:be], B)[bs:be]
                 probs = torch.softmax(logits, -1)
                 x0 = probs.argmax(-1)
                 conf = torch.where(is_mask, probs.gather(-1, x0[:, None])[:, 0], torch.tensor(float("-inf")))
-                n = min(sched[step], int(is_mask.sum()))
+                n = sched[step]
                 transfer = is_mask & (conf > threshold) if threshold is not None else None
                 if transfer is None or int(transfer.sum()) < n:
                     transfer = torch.zeros(B, dtype=torch.bool)
-                    transfer[conf.topk(n).indices] = True
+                    transfer[conf.topk(min(n, int(is_mask.sum()))).indices] = True
                 x[bs:be][transfer] = x0[transfer]
-            if (x[max(bs, P):be] == eos_id).any():
+            if (x[P:be] == eos_id).any():
                 break
-        out = x[P:P + gen_length].tolist()
-        return out[: out.index(eos_id) + 1] if eos_id in out else out
+        return x[P:P + gen_length].tolist()
+
+    def _generate_llada(self, prompt, gen_length, B, threshold, steps, minimal_topk):
+        mask_id = self.cfg["mask_token_id"]
+        P = len(prompt)
+        x = torch.full((P + gen_length,), mask_id, dtype=torch.long)
+        x[:P] = torch.tensor(prompt)
+        for bs in range(P, P + gen_length, B):        # the last block is shorter where B does not divide
+            be = min(bs + B, P + gen_length)
+            sched = self._schedule(int((x[bs:be] == mask_id).sum()), steps)
+            for step in range(steps):
+                mask_index = x == mask_id
+                probs = torch.softmax(self.forward(x), -1)
+                x0 = probs.argmax(-1)
+                x0_p = probs.gather(-1, x0[:, None])[:, 0]
+                x0_p[be:] = float("-inf")
+                x0 = torch.where(mask_index, x0, x)
+                conf = torch.where(mask_index, x0_p, torch.tensor(float("-inf")))
+                transfer = mask_index & (conf > threshold) if threshold is not None else None
+                if transfer is None or int(transfer.sum()) < sched[step]:
+                    transfer = torch.zeros_like(mask_index)
+                    transfer[conf.topk(sched[step]).indices] = True
+                x[transfer] = x0[transfer]
+        return x[P:].tolist()

@@ -148,8 +148,8 @@ def test_lladamoe_low_confidence_rule_matches_reference(tiny_moe_ckpt):
     out = llm.generate(prompt_token_ids=prompt, gen_length=32, block_length=16, steps=8, rule="low_confidence",
                        cache="none")
     assert out.token_ids == ref.generate(prompt, 32, 16, None, steps=8)
-    # first block: 5 masked positions at 2 per step -> 3 iterations; then the fixed 8 steps per block
-    assert out.counters["iterations_per_block"] == [3, 8, 8]
+    # blocks start at the end of the prompt (LLaDA's generate()): two blocks of 16 masks, the fixed 8 steps each
+    assert out.counters["iterations_per_block"] == [8, 8]
     for mode in ("prefix", "dual"):   # approximate caches: they run and decode every position
         o = llm.generate(prompt_token_ids=prompt, gen_length=32, block_length=16, steps=8, rule="low_confidence",
                          cache=mode)

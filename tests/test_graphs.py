@@ -33,6 +33,12 @@ def _run(llm, graphs, gen_length=64, threshold=0.95):
     return res, {k: v for k, v in eng.manager.stats.summary().items() if k not in timed}
 
 
+def _block_of(eng, prompt_tokens: int, length: int = 32) -> torch.Tensor:
+    """The first prompt_tokens of PROMPT followed by masks: `length` tokens."""
+    ids = eng.tokenizer.encode(PROMPT)[:prompt_tokens]
+    return torch.from_numpy(np.array(ids + [eng.config.mask_token_id] * (length - len(ids))))
+
+
 def _graphs(llm, backend=None, **kw):
     eng = llm.engine
     return ForwardGraphs(eng.model, eng.manager, backend=backend or EmulatedGraphs(),
@@ -94,8 +100,7 @@ def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch, ski
     eng = llm.engine
     graphs = _graphs(llm)
     kv = graphs.kv_cache(64)
-    ids = torch.from_numpy(np.array(eng.tokenizer.encode(PROMPT)[:8] + [eng.config.mask_token_id] * 24))
-    rows = slice(0, 32)
+    ids, rows = _block_of(eng, prompt_tokens=8), slice(0, 32)
     eager = eng.model(ids, 0, kv, 32, rows).clone()
     graphs(ids, 0, kv, 32, rows)                         # first use: eager
     captured = graphs(ids, 0, kv, 32, rows).clone()      # captured and replayed
@@ -171,3 +176,20 @@ def test_one_graph_serves_every_position(llm):
         eager = eng.model(ids, start, kv, start + 32, slice(0, None)).clone()   # also writes this block's K/V
         assert torch.equal(graphs(ids, start, kv, start + 32, slice(0, None)), eager)
     assert graphs.captures == 1 and graphs.replays == 5
+
+
+def test_the_block_length_is_part_of_a_graphs_key(llm):
+    """The block-causal mask's block length is a constant of a captured forward: a forward of the same shape at
+    another block length gets a graph of its own, and the tokens of its own mask."""
+    llm.engine.set_runtime("full", "1.0")
+    eng = llm.engine
+    graphs = _graphs(llm)
+    kv = graphs.kv_cache(64)
+    ids, rows = _block_of(eng, prompt_tokens=20), slice(0, 32)
+    eager = {B: eng.model(ids, 0, kv, 32, rows, block_length=B).clone() for B in (8, 32)}
+    eng.manager.end_forward()
+    assert not torch.allclose(eager[8], eager[32])
+    for B in (8, 32, 8):
+        assert torch.equal(graphs(ids, 0, kv, 32, rows, block_length=B), eager[B])
+        eng.manager.end_forward()
+    assert graphs.captures == 2 and graphs.replays == 3

@@ -284,7 +284,7 @@ def test_prefetch_predicts_with_the_next_layers_router(preset):
         if cfg.router == "sigmoid_group":
             ids, _ = sigmoid_group_route(x, blk.router_weight, blk.expert_bias, **_router_kwargs(cfg))
         else:
-            ids, _ = softmax_route(x, blk.router_weight, top_k=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
+            ids, _ = softmax_route(x, blk.router_weight, blk.expert_bias, top_k=cfg.top_k)
         e, c = np.unique(ids.reshape(-1).numpy(), return_counts=True)
         assert predicted == dict(zip(e.tolist(), c.tolist()))
         # ... which is not what layer l's own router would say

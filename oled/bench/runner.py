@@ -23,6 +23,7 @@ import torch
 
 from ..decoding.loop import generate
 from ..decoding.params import DecodeParams
+from ..decoding.procedure import usable_positions
 from ..policies import policy_class, policy_options
 from ..runtime.budget import BudgetError, parse_budget
 from ..runtime.cost_model import CostModel
@@ -326,10 +327,9 @@ class Bench:
 
     def _fit_prompts(self, engine, workload) -> tuple[list[list[int]], int]:
         """Token ids of the prompts; a prompt too long for the model's context (with the generation, padded to
-        blocks) keeps its last tokens."""
+        blocks for LLaDA2) keeps its last tokens."""
         config, params = engine.config, self.cfg.decode
-        B = params.block_length or config.block_length
-        limit = (config.max_position_embeddings // B) * B - params.gen_length
+        limit = usable_positions(config, params.block_length or config.block_length) - params.gen_length
         if limit < 1:
             raise ValueError(f"--gen-length {params.gen_length} leaves no room for a prompt in the model's "
                              f"{config.max_position_embeddings} positions")

@@ -10,6 +10,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from ..decoding.procedure import usable_positions
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 HELP = "commands: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer"
@@ -41,7 +42,7 @@ class Chat:
         """Prompt ids and generation length for the next answer; drops the oldest turns when the context is full."""
         tok, config = self.engine.tokenizer, self.engine.config
         block = self.params.block_length or config.block_length
-        usable = config.max_position_embeddings // block * block
+        usable = usable_positions(config, block)
         dropped = 0
         while True:
             messages = self.system + self.history + [{"role": "user", "content": message}]

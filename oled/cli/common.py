@@ -47,7 +47,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--gen-length", type=int, default=d.gen_length, help="tokens to generate at most")
     g.add_argument("--block-length", type=int, help="diffusion block size (default: the model's)")
-    g.add_argument("--steps", type=int, help="iterations per block of the minimum schedule (default: block)")
+    g.add_argument("--steps", type=int, help="iterations per block of the minimum schedule (default: block; capped "
+                                             "at the block length and, for LLaDA2, at --gen-length)")
     g.add_argument("--threshold", type=float, default=d.threshold, help="commit confidence threshold")
     g.add_argument("--rule", default=d.rule, choices=["threshold", "low_confidence"])
     g.add_argument("--temperature", type=float, default=d.temperature)

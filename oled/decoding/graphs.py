@@ -108,10 +108,13 @@ class ForwardGraphs:
         self.graphs.clear()
         self.seen.clear()
 
-    def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None):
+    def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None,
+                 block_length: int | None = None):
         if not self.enabled or kv is not self.kv:
-            return self.model(ids, start, kv, kv_end, rows)
-        key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step))
+            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+        # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key
+        key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step),
+               block_length)
         fwd = self.graphs.get(key)
         if fwd is not None:
             self.graphs.move_to_end(key)
@@ -123,10 +126,10 @@ class ForwardGraphs:
             if len(self.seen) >= self.max_seen:
                 self.seen.clear()
             self.seen.add(key)
-            return self.model(ids, start, kv, kv_end, rows)
-        return self._capture(key, ids, start, kv, kv_end, rows)
+            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+        return self._capture(key, ids, start, kv, kv_end, rows, block_length)
 
-    def _capture(self, key, ids, start, kv, kv_end, rows):
+    def _capture(self, key, ids, start, kv, kv_end, rows, block_length):
         """Capture the forward segment by segment; each segment is replayed as soon as it is captured, so this
         forward's own result comes out of the graphs (and a host step in between sees real values)."""
         fwd = _Forward(self.backend, ids, start, kv_end)
@@ -136,7 +139,8 @@ class ForwardGraphs:
                 fwd.begin_segment()
                 if self.segmented:
                     self.manager.host_boundary = fwd.boundary(self.manager)
-                fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows)
+                fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows,
+                                         block_length=block_length)
                 fwd.end_segment()
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
             # (host steps that already ran keep their effects: a failure past the first MoE layer of a segmented
@@ -145,7 +149,7 @@ class ForwardGraphs:
             self.manager.take_routing(mark)
             self.enabled = False
             log.warning("CUDA graph capture failed, forwards run eagerly from now on: %s", str(e).splitlines()[0])
-            return self.model(ids, start, kv, kv_end, rows)
+            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
         finally:
             self.manager.host_boundary = None
         fwd.routing = self.manager.take_routing(mark)   # logged while capturing; handed back after every replay

@@ -4,7 +4,6 @@ Bookkeeping (canvas, block state) is NumPy on the host; each iteration moves one
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +14,8 @@ from ..models.config import ModelConfig
 from ..policies.base import ForwardInfo, IterationEvent
 from .kv_cache import CACHE_MODES, KVCache
 from .params import DecodeParams
-from .rules import make_rule, predict, transfer_schedule
+from .procedure import procedure_for
+from .rules import make_rule, predict
 
 
 @dataclass
@@ -49,6 +49,11 @@ class ContextTooLong(ValueError):
     pass
 
 
+class NonFiniteError(ValueError):
+    """The model produced a NaN or infinite prediction (its weights or activations hold one): the request ends
+    here, since a non-finite confidence can never be committed and the block would never finish."""
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -62,16 +67,16 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     config: ModelConfig = model.config
     device = model.embed.weight.device
     B = params.block_length or config.block_length
-    steps = params.steps or B
-    schedule = transfer_schedule(B, steps)
+    procedure = procedure_for(config)
     rule = make_rule(params.rule, params.threshold)
     mask_id, eos_id = config.mask_token_id, config.eos_token_id
     P = len(prompt_ids)
     if P == 0:
         raise ValueError("the prompt is empty")
-    total = math.ceil((P + params.gen_length) / B) * B
+    total = procedure.canvas_length(P, params.gen_length, B)
     if total > config.max_position_embeddings:
-        raise ContextTooLong(f"prompt ({P} tokens) + generation ({params.gen_length}) padded to blocks of {B} is "
+        padded = f" padded to blocks of {B}" if procedure.pads_to_blocks else ""
+        raise ContextTooLong(f"prompt ({P} tokens) + generation ({params.gen_length}){padded} is "
                              f"{total} positions; the model supports {config.max_position_embeddings}")
     canvas = np.full(total, mask_id, dtype=np.int64)
     canvas[:P] = prompt_ids
@@ -85,14 +90,14 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
         run, kv = model, KVCache(config, total, model.embed.weight.dtype, device)
     mode = CACHE_MODES[params.cache](config.block_causal)
     result = GenerationResult(token_ids=[], finish_reason="length")
-    kwargs = {} if timer is None else {"timer": timer}
+    kwargs = {"block_length": B} if timer is None else {"block_length": B, "timer": timer}
 
-    block_start = 0      # canvas position of the block being decoded (the prefill's: the first block's)
+    block_start = block_len = 0      # the block being decoded: its first canvas position and its length
 
     def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
         ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
         manager.begin_forward(ForwardInfo(kind=kind, start=start, tokens=len(tokens), block_start=block_start,
-                                          block_length=B))
+                                          block_length=block_len))
         out = run(ids, start, kv, kv_end, rows, **kwargs)
         if kind == "iteration":
             result.nfe += 1
@@ -103,39 +108,46 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
 
     manager.on_request_start()
     t0 = time.perf_counter()
-    first_block = P // B
-    block_start = first_block * B
-    mode.prefill(forward, canvas, first_block * B)
+    blocks = procedure.blocks(P, params.gen_length, B)
+    block_start, block_len = blocks[0].start, blocks[0].end - blocks[0].start   # the prefill's: the first block
+    mode.prefill(forward, canvas, procedure.prefill_end(P, B))
     _sync(device)
     t1 = time.perf_counter()
     result.prefill_s = t1 - t0
     iteration = 0
     emitted = P
-    for b in range(first_block, total // B):
-        bs, be = b * B, (b + 1) * B
-        block_start = bs
+    for block in blocks:
+        bs, be = block.start, block.end
+        block_start, block_len = bs, be - bs
+        schedule = procedure.schedule(block, params, B)
         step = 0
-        while True:
-            masked = canvas[bs:be] == mask_id
-            masked[: max(P - bs, 0)] = False          # prompt positions are never decoded
+        while step < len(schedule):                   # every iteration commits at least one mask (or raises)
+            ws = procedure.window_start(canvas, block, mask_id)
+            masked = canvas[ws:be] == mask_id
             if not masked.any():
                 break
             if cancelled is not None and cancelled():
                 result.finish_reason = "cancelled"
                 break
-            logits = mode.block_logits(forward, canvas, bs, be, step)
+            logits = mode.block_logits(forward, canvas, ws, be, step)
             x0, conf = predict(logits, params.temperature, generator)
             host = torch.stack([x0.double(), conf.double()]).cpu().numpy()
             manager.end_forward()
             x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
-            commit = rule.select(conf_h, schedule[step] if step < len(schedule) else 1)
-            canvas[bs:be][commit] = x0_h[commit]
+            bad = masked & ~np.isfinite(host[1])
+            if bad.any():
+                raise NonFiniteError(f"the model produced a non-finite prediction at position "
+                                     f"{ws + int(np.flatnonzero(bad)[0])} (block {block.index}, iteration {step}): "
+                                     f"its weights or activations hold NaN or Inf")
+            commit = rule.select(conf_h, schedule[step])
+            canvas[ws:be][commit] = x0_h[commit]
             result.committed += int(commit.sum())
-            state = np.where(commit, IterationEvent.COMMITTED,
-                             np.where(masked, IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
-            done = not (canvas[bs:be] == mask_id)[max(P - bs, 0):].any()
-            manager.on_iteration(IterationEvent(block=b, step=step, iteration=iteration, state=state,
-                                                confidence=conf_h, block_done=done))
+            inside = slice(bs - ws, None)                 # the event describes the block's own positions
+            state = np.where(commit[inside], IterationEvent.COMMITTED,
+                             np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
+            done = not (canvas[bs:be] == mask_id).any()
+            manager.on_iteration(IterationEvent(block=block.index, step=step, iteration=iteration, state=state,
+                                                confidence=conf_h[inside], block_done=done))
             iteration += 1
             step += 1
         if result.finish_reason == "cancelled":
@@ -143,18 +155,21 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
         mode.finish_block(forward, canvas, bs, be)
         result.iterations_per_block.append(step)
         new_end = min(be, P + params.gen_length)
-        new = canvas[emitted:new_end].tolist()
-        eos_at = new.index(eos_id) if eos_id in new else -1
-        if eos_at >= 0:
-            new = new[: eos_at + 1]
-        result.token_ids.extend(new)
-        emitted = new_end
-        finished = eos_at >= 0 or eos_id in canvas[max(bs, P):be] or new_end >= P + params.gen_length
+        out = canvas[P:new_end].tolist()
+        eos_at = out.index(eos_id) if eos_id in out else -1
+        result.token_ids = out[: eos_at + 1] if eos_at >= 0 else out
+        upto = P + len(result.token_ids)
+        new = canvas[emitted:upto].tolist()
+        emitted = max(emitted, upto)
+        # Stop after a block holding EOS, as LLaDA2's generate() does. LLaDA's runs every block, but the later ones
+        # cannot change a token before the first EOS once no mask is left before it (only a prompt's mask tokens
+        # can leave one: they compete for a block's commits).
+        settled = not (canvas[P:upto] == mask_id).any()
+        finished = (eos_at >= 0 and settled) or new_end >= P + params.gen_length
         if on_block is not None:
             on_block(new, finished)
-        if eos_at >= 0:
-            result.finish_reason = "stop"
         if finished:
+            result.finish_reason = "stop" if eos_at >= 0 else "length"
             break
     _sync(device)
     result.decode_s = time.perf_counter() - t1

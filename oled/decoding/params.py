@@ -9,6 +9,7 @@ class DecodeParams:
     gen_length: int = 256
     block_length: int | None = None      # None: the model's default (config or architecture table)
     steps: int | None = None             # iterations per block of the minimum-tokens schedule; None: block_length
+    minimal_topk: int = 1                # LLaDA2: steps is capped at gen_length // minimal_topk (official default 1)
     threshold: float | None = 0.95       # commit every masked position above it; None: fixed-steps rule only
     rule: str = "threshold"              # "threshold" (LLaDA2) or "low_confidence" (LLaDA fixed steps)
     temperature: float = 0.0             # 0: greedy
@@ -17,12 +18,13 @@ class DecodeParams:
     stop: tuple[str, ...] = ()
 
     def validate(self, max_positions: int | None = None) -> None:
-        if self.gen_length <= 0:
-            raise ValueError(f"gen_length must be positive, got {self.gen_length}")
-        if self.block_length is not None and self.block_length <= 0:
-            raise ValueError(f"block_length must be positive, got {self.block_length}")
-        if self.steps is not None and self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}")
+        # counts: positive integers (a float steps would reach the schedule; a huge one is capped there)
+        for name in ("gen_length", "block_length", "steps", "minimal_topk"):
+            value = getattr(self, name)
+            if value is None and name in ("block_length", "steps"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.temperature < 0:

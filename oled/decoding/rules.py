@@ -12,10 +12,13 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
 
 
 def predict(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """x0 and its probability per position (logits [B, V] fp32), still on the device."""
+    """x0 and its probability per position (logits [B, V] fp32), still on the device. A row with a NaN or Inf
+    gives a non-finite probability, which the loop reports (no host sync here to check it)."""
     if temperature > 0:
         probs = torch.softmax(logits / temperature, dim=-1)
-        x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        # multinomial refuses a non-finite row: draw that row from anything valid; its probability stays NaN
+        finite = torch.isfinite(probs).all(dim=-1, keepdim=True)
+        x0 = torch.multinomial(torch.where(finite, probs, 1.0), 1, generator=generator).squeeze(-1)
     else:
         probs = torch.softmax(logits, dim=-1)
         x0 = probs.argmax(dim=-1)

@@ -98,9 +98,24 @@ def _llada2(raw: dict) -> dict:
 
 
 def _lladamoe(raw: dict) -> dict:
+    """The official LLaDA-MoE code (modeling_lladamoe.py) derives the head size from hidden_size / heads and fixes
+    norm_topk_prob to False, whatever config.json says; a config that asks otherwise describes a model that code
+    does not run, so it is refused rather than silently reinterpreted (the published config agrees with both). Its
+    router is always a softmax (the block stores moe_router_score_function but never reads it), and so is ours."""
     hidden = _get(raw, "hidden_size")
     heads = _get(raw, "num_attention_heads")
-    head_dim = _get(raw, "head_dim", default=hidden // heads)
+    if hidden % heads:
+        raise ConfigError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    head_dim = hidden // heads
+    if _get(raw, "head_dim", default=head_dim) != head_dim:
+        raise ConfigError(f"head_dim {raw['head_dim']} differs from hidden_size / num_attention_heads = {head_dim}, "
+                          f"the head size the official LLaDA-MoE attention uses")
+    if _get(raw, "norm_topk_prob", default=False):
+        raise ConfigError("norm_topk_prob true: the official LLaDA-MoE MoE block never renormalises the top-k "
+                          "weights (it ignores this key)")
+    for key in ("attention_bias", "clip_qkv"):
+        if _get(raw, key, default=None):
+            raise ConfigError(f"{key} {raw[key]!r} is not supported")
     shared = _get(raw, "shared_expert_intermediate_size", default=0) or 0
     return dict(
         hidden_size=hidden, num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", default=heads),
@@ -112,9 +127,10 @@ def _lladamoe(raw: dict) -> dict:
         num_dense_layers=0, dense_intermediate_size=_get(raw, "dense_intermediate_size", default=0),
         num_experts=_get(raw, "num_experts"), top_k=_get(raw, "num_experts_per_tok"),
         expert_intermediate_size=_get(raw, "expert_intermediate_size", "moe_intermediate_size", "intermediate_size"),
+        # the shared expert is a sibling of the MoE block in the official layer (model.layers.N.shared_expert)
         num_shared_experts=1 if shared else 0, shared_intermediate_size=shared,
-        router="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0,
-        norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=False)), use_expert_bias=False,
+        router="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        use_expert_bias=bool(_get(raw, "moe_router_enable_expert_bias", default=False)),
         block_causal=False,
     )
 

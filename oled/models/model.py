@@ -53,34 +53,39 @@ class MoEDiffusionLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
-    def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
+                       block_length: int) -> torch.Tensor:
         """Boolean mask over keys [0, key_len): key j is visible to the query at position p iff j < kv_end and, for
-        block-causal models, block(j) <= block(p). Built on the device from device tensors, so it is part of a
-        replayed graph rather than baked into it."""
+        block-causal models, block(j) <= block(p) in blocks of the request's `block_length` (the official generate()
+        builds its mask from the block length it decodes with). Built on the device from device tensors, so it is
+        part of a replayed graph rather than baked into it (only the block length is a constant of the graph)."""
         keys = torch.arange(key_len, device=positions.device)
         mask = (keys < kv_end)[None, :]
         if self.config.block_causal:
-            mask = mask & block_causal_mask(positions, keys, self.config.block_length)
+            mask = mask & block_causal_mask(positions, keys, block_length)
         return mask
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, kv_cache, kv_end: int | None = None,
-                logits_rows: slice | None = None, timer=NO_TIMER) -> torch.Tensor | None:
+                logits_rows: slice | None = None, timer=NO_TIMER, block_length: int | None = None
+                ) -> torch.Tensor | None:
         """Run tokens at positions [start, start+T) against the cache (keys [0, kv_end)); returns fp32 logits of the
-        chunk's rows `logits_rows` (None when logits_rows is None: the forward only fills the cache)."""
+        chunk's rows `logits_rows` (None when logits_rows is None: the forward only fills the cache). block_length:
+        the blocks of the block-causal mask (None: the config's)."""
         T, device = input_ids.shape[0], input_ids.device
         kv_end = start + T if kv_end is None else kv_end
         positions = torch.arange(start, start + T, device=device)
         return self.run(input_ids, positions, torch.full((), kv_end, device=device), kv_cache,
-                        kv_cache.key_len(kv_end), logits_rows, timer)
+                        kv_cache.key_len(kv_end), logits_rows, timer, block_length)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_end: torch.Tensor, kv_cache, key_len: int,
-            logits_rows: slice | None = None, timer=NO_TIMER) -> torch.Tensor | None:
+            logits_rows: slice | None = None, timer=NO_TIMER, block_length: int | None = None
+            ) -> torch.Tensor | None:
         """`forward` with the chunk's positions [T] and key end (0-d) as device tensors: the same kernels on the same
         shapes wherever the chunk sits, so one CUDA graph serves every chunk of a (length, key length, rows)."""
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
-        mask = self.attention_mask(positions, kv_end, key_len)
+        mask = self.attention_mask(positions, kv_end, key_len, block_length or self.config.block_length)
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, mask, timer)

@@ -14,7 +14,8 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.router_weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.expert_bias = (nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
+        # in the model dtype, as the official models hold this buffer once loaded (see router.py)
+        self.expert_bias = (nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
                             if config.use_expert_bias else None)
         self.shared = (SwiGLU(config.hidden_size, config.shared_intermediate_size)
                        if config.num_shared_experts else None)

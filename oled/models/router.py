@@ -1,10 +1,16 @@
 """Routers as pure functions: hidden states in, (expert ids, routing weights) out. No state, no parameters owned.
 
-Both compute in fp32 whatever the model dtype, as the official implementations do.
+Precision follows the official code as loaded in the model dtype (bf16 in practice):
+- LLaDA2 computes the gate logits and the sigmoid in fp32, but its `expert_bias` is a buffer that loading in bf16
+  casts to bf16, so the bias added for selection carries bf16 rounding (the engine stores it in the model dtype).
+- LLaDA-MoE's gate is a plain linear layer in the model dtype; only the softmax over its logits is fp32, and the
+  combine weights are cast back to the model dtype.
+In fp32 every step is fp32 and the two descriptions coincide.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def sigmoid_group_route(
@@ -20,7 +26,8 @@ def sigmoid_group_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LLaDA2 routing: sigmoid scores, group-limited top-k on bias-shifted scores, weights from unbiased scores.
 
-    hidden [T, H], weight [E, H], expert_bias [E] -> ids [T, k] (int64), weights [T, k] (fp32).
+    hidden [T, H], weight [E, H], expert_bias [E] (any dtype; used at its own precision) -> ids [T, k] (int64),
+    weights [T, k] (fp32).
     """
     logits = hidden.float() @ weight.float().t()
     scores = torch.sigmoid(logits)
@@ -42,22 +49,26 @@ def sigmoid_group_route(
 
 
 def softmax_route(
-    hidden: torch.Tensor, weight: torch.Tensor, *, top_k: int, norm_topk_prob: bool = False
+    hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None = None, *, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLaDA-MoE routing: softmax over experts, top-k; weights are the selected probabilities (renormalised only
-    if the config says so)."""
-    probs = torch.softmax(hidden.float() @ weight.float().t(), dim=-1)
+    """LLaDA-MoE routing: logits in the model dtype, softmax over experts in fp32, plus the expert bias if the
+    checkpoint has one, top-k. The weights are the selected (biased) values, not renormalised (the official block
+    fixes norm_topk_prob to False whatever the config says), rounded to the model dtype.
+
+    hidden [T, H], weight [E, H] -> ids [T, k] (int64), weights [T, k] (fp32 holding model-dtype values).
+    """
+    probs = torch.softmax(F.linear(hidden, weight.to(hidden.dtype)).float(), dim=-1)   # the official nn.Linear
+    if expert_bias is not None:
+        probs = probs + expert_bias.float()
     weights, ids = probs.topk(top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+    return ids, weights.to(hidden.dtype).float()
 
 
 def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None):
     """Dispatch on the model's router kind (see ModelConfig.router)."""
+    bias = expert_bias if config.use_expert_bias else None
     if config.router == "sigmoid_group":
         return sigmoid_group_route(
-            hidden, weight, expert_bias if config.use_expert_bias else None, top_k=config.top_k,
-            n_group=config.n_group, topk_group=config.topk_group,
+            hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
             routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
-    return softmax_route(hidden, weight, top_k=config.top_k, norm_topk_prob=config.norm_topk_prob)
+    return softmax_route(hidden, weight, bias, top_k=config.top_k)

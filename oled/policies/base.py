@@ -106,7 +106,7 @@ class PolicyContext:
 @dataclass
 class IterationEvent:
     """What the decoding loop tells the runtime after each denoising iteration (host data only)."""
-    block: int                       # block index in the canvas
+    block: int                       # Block.index (decoding/procedure.py: counted from 0 or the prompt end)
     step: int                        # iteration within the block (0 = the block's first)
     iteration: int                   # global iteration counter of the request
     state: np.ndarray                # per block position: 0 decoded earlier, 1 still masked, 2 committed now

@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from ..decoding.loop import ContextTooLong
+from ..decoding.loop import ContextTooLong, NonFiniteError
 from ..decoding.params import DecodeParams
+from ..decoding.procedure import procedure_for, usable_positions
 from .metrics import Metrics
 from .text import IncrementalText
 
@@ -141,7 +141,7 @@ class Translator:
         if block > self.max_positions:
             raise RequestError(f"block_length {block} exceeds the model's context of {self.max_positions}",
                                param="block_length")
-        usable = self.max_positions // block * block      # positions the padded canvas may use
+        usable = usable_positions(self.config, block)     # positions the (padded) canvas may use
         longest = max(len(p) for p in prompts)
         room = usable - longest
         max_tokens = getattr(req, "max_completion_tokens", None)
@@ -185,10 +185,12 @@ class Translator:
         return Prepared(prompts=prompts, params=params, stop=params.stop)
 
     def _too_long(self, prompt_len: int, gen: int, block: int, param: str) -> RequestError:
-        total = math.ceil((prompt_len + gen) / block) * block
+        procedure = procedure_for(self.config)
+        total = procedure.canvas_length(prompt_len, gen, block)
+        padded = f", padded to blocks of {block}" if procedure.pads_to_blocks else ""
         return RequestError(f"This model's maximum context length is {self.max_positions} tokens. However, you "
-                            f"requested {total} tokens ({prompt_len} in the prompt, {gen} for the completion, padded "
-                            f"to blocks of {block}). Please shorten the prompt or reduce max_tokens.",
+                            f"requested {total} tokens ({prompt_len} in the prompt, {gen} for the completion"
+                            f"{padded}). Please shorten the prompt or reduce max_tokens.",
                             param=param, code="context_length_exceeded")
 
 
@@ -353,6 +355,10 @@ class EngineWorker:
                                           on_block=on_block, cancelled=lambda t=text: job.cancelled or t.stopped)
             except ContextTooLong as e:
                 job.push(("error", RequestError(str(e), param="max_tokens", code="context_length_exceeded")))
+                job.push(("done",))
+                return
+            except NonFiniteError as e:          # the model's fault, not the request's
+                job.push(("error", RequestError(str(e), status=500, type="server_error", code="non_finite_output")))
                 job.push(("done",))
                 return
             except ValueError as e:
