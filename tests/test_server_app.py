@@ -2,7 +2,9 @@
 the per-request seed, and the 500 answer. One engine for the module (random:tiny on the CPU)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,6 +16,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from oled.config import EngineConfig  # noqa: E402
 from oled.engine import Engine  # noqa: E402
+from oled.server.guards import default_allowed_hosts, host_name  # noqa: E402
 from oled.server.routes import create_app  # noqa: E402
 
 MODEL = "random:tiny"
@@ -156,3 +159,42 @@ def test_internal_error_says_nothing_of_its_cause(engine, caplog):
         assert "secret" not in r.text and "RuntimeError" not in r.text
         assert c.get("/health").json()["status"] == "ok"          # the engine thread survived
     assert "secret path" in caplog.text                             # the operator's log has the cause
+
+
+# ------------------------------------------------------------------------------------ the event loop, the Host check
+def test_long_prompt_is_tokenized_off_the_event_loop(engine, monkeypatch):
+    """A prompt that takes seconds to tokenize (the early refusal turned off) leaves /health answering."""
+    httpx = pytest.importorskip("httpx")
+    monkeypatch.setattr(engine.tokenizer, "max_chars_per_token", lambda: None)
+    app = create_app(engine)
+    prompt = "def f(x): return x + 1\n" * 100_000           # 2.3 MB: about 3 s of tokenizing
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            big = asyncio.create_task(c.post("/v1/completions", json={"model": MODEL, "prompt": prompt}))
+            await asyncio.sleep(0.3)                        # the prompt is being tokenized now
+            latencies, deadline = [], time.perf_counter() + 60
+            while not big.done() and time.perf_counter() < deadline:
+                start = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.05)
+            return await big, latencies
+
+    app.state.worker.start()
+    try:
+        r, latencies = asyncio.run(main())
+    finally:
+        app.state.worker.stop()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+
+
+def test_allowed_hosts_follow_the_bind_address():
+    assert default_allowed_hosts("127.0.0.1") == ["127.0.0.1", "localhost", "::1"]
+    assert default_allowed_hosts("::1") == ["::1", "localhost", "127.0.0.1"]
+    assert default_allowed_hosts("localhost") == ["localhost", "127.0.0.1", "::1"]
+    assert default_allowed_hosts("192.168.1.5") == ["192.168.1.5"]
+    assert default_allowed_hosts("0.0.0.0") == default_allowed_hosts("::") == ["*"]
+    assert [host_name(h) for h in ("Example.COM:8000", "example.com", "[::1]:80", "[::1]", "::1", "1.2.3.4:5")] == [
+        "example.com", "example.com", "::1", "::1", "::1", "1.2.3.4"]
