@@ -312,6 +312,13 @@ def test_big_deep_and_slow_bodies_leave_health_answering(server, http):
         assert_error(http.post("/v1/completions", content=big, headers=JSON), 413, code="request_too_large")
         chunks = (big[i:i + 2**20] for i in range(0, len(big), 2**20))          # chunked: no Content-Length
         assert_error(http.post("/v1/completions", content=chunks, headers=JSON), 413, code="request_too_large")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:      # 100 MB announced, none sent
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100000000\r\n\r\n".encode())
+            reply, deadline = b"", time.time() + 10
+            while b'"code":"request_too_large"' not in reply and time.time() < deadline:
+                reply += sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 413 ") and b'"code":"request_too_large"' in reply, reply
         start = time.perf_counter()
         assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 7_000_000}), 400,
                      param="prompt", code="context_length_exceeded")

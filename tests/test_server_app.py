@@ -135,6 +135,16 @@ def test_sampling_without_seed_draws_one_per_request(client):
     assert greedy["diffusion"]["seed"] is None
 
 
+def test_a_vanishing_temperature_decodes_greedily(client):
+    """logits / 1e-38 overflow to inf: such a temperature is decoded as the argmax it would sample (found by the
+    fuzzing: it was a 500)."""
+    body = {"model": MODEL, "prompt": "Roll the dice", "max_tokens": 16}
+    greedy = client.post("/v1/completions", json=body).json()
+    r = client.post("/v1/completions", json={**body, "temperature": 1e-38})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"] and r.json()["diffusion"]["seed"] is None
+
+
 def test_seed_out_of_range_is_a_400(client):
     for seed in (2**64, 2**63, -2**63 - 1):
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "temperature": 1.0, "seed": seed})

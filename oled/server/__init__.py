@@ -4,8 +4,8 @@ Layout: `text` (incremental detokenization and stop strings, no dependencies), `
 queue and the one worker thread that owns the engine), `metrics` (Prometheus text), `protocol` (pydantic request
 models and response builders), `guards` (Host check, body size and time limits), `openapi` (the published
 document) and `routes` (the FastAPI app). FastAPI, uvicorn and pydantic are optional
-(`pip install 'oled[serve]'`): only `protocol` and `routes` import them, and `require_serve_deps()` reports a
-missing one in one line.
+(`pip install 'oled[serve]'`): only `protocol`, `guards`, `openapi` and `routes` import them, and
+`require_serve_deps()` reports a missing one in one line.
 """
 from __future__ import annotations
 
