@@ -317,7 +317,10 @@ def test_big_deep_and_slow_bodies_leave_health_answering(server, http):
                          f"Content-Length: 100000000\r\n\r\n".encode())
             reply, deadline = b"", time.time() + 10
             while b'"code":"request_too_large"' not in reply and time.time() < deadline:
-                reply += sock.recv(65536)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
         assert reply.startswith(b"HTTP/1.1 413 ") and b'"code":"request_too_large"' in reply, reply
         start = time.perf_counter()
         assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 7_000_000}), 400,

@@ -92,7 +92,7 @@ fuzzed = schemathesis.pytest.from_fixture("fuzz_schema")
 
 @pytest.fixture(scope="module")
 def fuzz_schema(clamped_engine):
-    app = create_app(clamped_engine, allowed_hosts=["*"], max_queue=64)
+    app = create_app(clamped_engine)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     schema.config.generation.update(max_examples=FUZZ_EXAMPLES)
 
