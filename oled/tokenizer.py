@@ -24,7 +24,18 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL and encode does not: a long text tokenized on a worker thread (the server)
+        # then leaves the other threads running
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of text one token can stand for (the longest token), so that a text of more than
+        n × this many characters is known to need more than n tokens without tokenizing it. None where that does
+        not hold: a normalizer can shrink the text first, and an unknown-token symbol can stand for any run."""
+        model = self.tok.model
+        if self.tok.normalizer is not None or type(model).__name__ != "BPE" or model.unk_token is not None:
+            return None
+        return max(len(t) for t in self.tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

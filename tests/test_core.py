@@ -354,3 +354,10 @@ def test_api_cancellation(tiny_ckpt):
 
     out = llm.generate(prompt_token_ids=PROMPTS[1], gen_length=128, threshold=1.0, cancelled=cancelled)
     assert out.finish_reason == "cancelled" and out.counters["nfe"] == 3
+
+
+def test_a_vanishing_temperature_samples_the_argmax():
+    from oled.decoding.rules import predict
+    logits = torch.tensor([[3.0, 50.0, -2.0], [0.5, 0.1, 0.4]])
+    x0, conf = predict(logits, 1e-38, torch.Generator().manual_seed(0))
+    assert x0.tolist() == [1, 0] and torch.isfinite(conf).all() and conf.tolist() == [1.0, 1.0]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,8 @@ pytest.importorskip("uvicorn")
 KEY = "test-key"
 MODEL = "random:tiny"
 MAX_QUEUE = 4
+BODY_TIMEOUT = 2.0               # the module server's --body-timeout (seconds)
+JSON = {"Content-Type": "application/json"}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CLI = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
 # a request that keeps the engine busy for seconds: one token per forward, the full 1024-position canvas each time
@@ -36,7 +39,7 @@ def oled_env() -> dict:
 def server():
     proc = subprocess.Popen([sys.executable, "-c", CLI, "serve", "--random-weights", MODEL.split(":")[1],
                              "--device", "cpu", "--dtype", "float32", "--port", "0", "--api-key", KEY,
-                             "--max-queue", str(MAX_QUEUE)],
+                             "--max-queue", str(MAX_QUEUE), "--body-timeout", str(BODY_TIMEOUT)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=oled_env())
     log: list[str] = []
     url = None
@@ -183,7 +186,8 @@ def test_bad_input_gets_openai_errors(http):
     post = lambda body, path="/v1/completions": http.post(path, json=body)   # noqa: E731
     assert_error(http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}),
                  400, code="invalid_json")
-    assert_error(http.post("/v1/completions", content=b""), 400, code="invalid_json")
+    assert_error(http.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"}), 400,
+                 code="invalid_json")
     assert_error(post([1, 2]), 400)
     assert_error(post({**ok, "model": "gpt-4"}), 404, param="model", code="model_not_found")
     assert_error(post({**ok, "max_tokens": 0}), 400, param="max_tokens")
@@ -220,6 +224,135 @@ def test_bad_input_gets_openai_errors(http):
     # still serving
     assert http.get("/health").json()["status"] == "ok"
     r = post(ok)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_hostile_requests_get_4xx(http, server):
+    """What used to be answered 500 (or served to any web page) gets a 4xx OpenAI error, and the server goes on."""
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+    chat = "/v1/chat/completions"
+
+    def raw(body: bytes, path="/v1/completions"):
+        return http.post(path, content=body, headers=JSON)
+
+    text_part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    assert_error(http.post(chat, json=text_part), 400, param="messages.0.content.0.text")
+    # lone surrogates (a prompt, a message, a key) and bytes that are not UTF-8
+    assert_error(raw(b'{"model": "random:tiny", "prompt": "a\\ud800b"}'), 400, code="invalid_json")
+    assert_error(raw(b'{"model": "random:tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', chat), 400,
+                 code="invalid_json")
+    assert_error(raw(b'{"\\ud800": 1}'), 400, code="invalid_json")
+    assert_error(raw(b'{"model": "random:tiny", "prompt": "\xff\xfe"}'), 400, code="invalid_json")
+    # JSON nested 1,000 and 100,000 deep
+    for depth in (1000, 100_000):
+        nested = b"[" * depth + b"]" * depth
+        assert_error(raw(b'{"model": "random:tiny", "prompt": "Hi", "metadata": {"a": ' + nested + b"}}", chat), 400,
+                     code="invalid_json")
+        assert_error(raw(nested), 400, code="invalid_json")
+    assert_error(raw(b'{"model": "random:tiny", "prompt": "Hi", "temperature": NaN}'), 400, param="temperature")
+    assert_error(raw(b'{"model": "random:tiny", "prompt": "Hi", "top_p": Infinity}'), 400, param="top_p")
+    assert_error(http.post("/v1/completions", json={**ok, "seed": 2**64}), 400, param="seed")
+    # bodies a web page may send anywhere without a preflight: not JSON, or no type at all
+    for media_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        assert_error(http.post("/v1/completions", content=json.dumps(ok), headers={"Content-Type": media_type}),
+                     415, code="unsupported_media_type")
+    assert_error(http.post("/v1/completions", content=json.dumps(ok)), 415, code="unsupported_media_type")
+    # a foreign Host (DNS rebinding): refused on every path, before the key is even looked at
+    port = server.rsplit(":", 1)[1]
+    for host in (f"attacker.example:{port}", "attacker.example", "127.0.0.2", "[::2]:80"):
+        assert_error(http.get("/health", headers={"Host": host}), 400, code="invalid_host")
+    csrf = {"Host": "attacker.example", "Content-Type": "text/plain"}           # the issue's "simple request"
+    assert_error(http.post("/v1/completions", content=json.dumps(ok), headers=csrf), 400, code="invalid_host")
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]", "LOCALHOST"):
+        assert http.get("/health", headers={"Host": host}).status_code == 200, host
+    # still serving, with a charset parameter too
+    charset = {"Content-Type": "application/json; charset=utf-8"}
+    r = http.post("/v1/completions", content=json.dumps(ok), headers=charset)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def _recv_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    data = b""
+    while time.time() < deadline:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    pytest.fail(f"the server kept the connection open: {data!r}")
+
+
+def test_big_deep_and_slow_bodies_leave_health_answering(server, http):
+    """A 20 MB body (with and without Content-Length), a 7 MB prompt, deep JSON, a slow half-sent request and a
+    client that leaves mid-body, while another client polls /health: each gets its 4xx (the last one a quiet
+    close), and /health answers every time within a second."""
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    latencies: list[float] = []
+    failures: list[str] = []
+    done = threading.Event()
+
+    def poll_health():
+        with httpx.Client(base_url=server, timeout=5) as c:
+            deadline = time.time() + 120
+            while not done.is_set() and time.time() < deadline:
+                start = time.perf_counter()
+                try:
+                    status = c.get("/health").status_code
+                except httpx.HTTPError as e:
+                    status = repr(e)
+                latencies.append(time.perf_counter() - start)
+                if status != 200:
+                    failures.append(str(status))
+                time.sleep(0.05)
+
+    before = metrics(http)
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    try:
+        big = b'{"model": "random:tiny", "prompt": "' + b"x" * 20_000_000 + b'"}'
+        assert_error(http.post("/v1/completions", content=big, headers=JSON), 413, code="request_too_large")
+        chunks = (big[i:i + 2**20] for i in range(0, len(big), 2**20))          # chunked: no Content-Length
+        assert_error(http.post("/v1/completions", content=chunks, headers=JSON), 413, code="request_too_large")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:      # 100 MB announced, none sent
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100000000\r\n\r\n".encode())
+            reply, deadline = b"", time.time() + 10
+            while b'"code":"request_too_large"' not in reply and time.time() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413 ") and b'"code":"request_too_large"' in reply, reply
+        start = time.perf_counter()
+        assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 7_000_000}), 400,
+                     param="prompt", code="context_length_exceeded")
+        assert time.perf_counter() - start < 5                   # refused before tokenizing it (that took 46 s)
+        depth = 1_000_000
+        assert_error(http.post("/v1/completions", content=b"[" * depth + b"]" * depth, headers=JSON), 400,
+                     code="invalid_json")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{\"model\": ".encode())
+            start = time.time()
+            reply = _recv_until_closed(sock, start + BODY_TIMEOUT + 8)
+            waited = time.time() - start
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        assert b'"code":"request_timeout"' in reply and BODY_TIMEOUT - 0.5 < waited < BODY_TIMEOUT + 5, (reply, waited)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{\"model\": ".encode())
+        gone = 'oled_requests_total{endpoint="/v1/completions",status="499"}'
+        deadline = time.time() + 10
+        while metrics(http).get(gone, 0) == before.get(gone, 0):     # counted as gone, not as a 500
+            assert time.time() < deadline, "the disconnect mid-body was not recorded"
+            time.sleep(0.05)
+    finally:
+        done.set()
+        poller.join(10)
+    assert not failures, failures
+    assert len(latencies) >= 20 and max(latencies) < 1.0, (len(latencies), max(latencies))
+    after = metrics(http)
+    assert after.get('oled_requests_total{endpoint="/v1/completions",status="500"}', 0) == 0
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
 
 

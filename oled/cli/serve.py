@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 
+from ..server import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 
@@ -25,6 +26,15 @@ def add_parser(sub) -> None:
     g.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for the engine; more get HTTP 429 (default: 16)")
     g.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (repeatable; '*' answers any). Default: "
+                        "the bound address, and localhost, 127.0.0.1 and ::1 on loopback (a defence against DNS "
+                        "rebinding); any name on a wildcard address such as 0.0.0.0")
+    g.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
+                   help=f"largest request body in MiB; larger ones get HTTP 413 (default: {MAX_BODY_BYTES // 2**20})")
+    g.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"time a request body may take to arrive; slower ones get HTTP 408 and their connection is "
+                        f"closed (default: {BODY_TIMEOUT_S:g})")
     add_engine_args(p)
     add_decode_args(p)
 
@@ -55,6 +65,10 @@ def run(args) -> int:
     require_serve_deps()
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.max_body_mib > 0 or args.max_body_mib == float("inf"):
+        raise ValueError(f"--max-body-mib must be a positive number, got {args.max_body_mib}")
+    if not args.body_timeout > 0 or args.body_timeout == float("inf"):
+        raise ValueError(f"--body-timeout must be a positive number of seconds, got {args.body_timeout}")
     defaults = decode_params(args)
     defaults.validate()
     sock = _listen(args.host, args.port)     # before loading: a busy port fails fast
@@ -63,11 +77,14 @@ def run(args) -> int:
         import uvicorn
 
         from ..engine import Engine
+        from ..server.guards import default_allowed_hosts
         from ..server.routes import create_app
 
         engine = Engine(engine_config(args), progress=True)
+        allowed_hosts = default_allowed_hosts(args.host) + args.allowed_host
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                         max_queue=args.max_queue, defaults=defaults)
+                         max_queue=args.max_queue, defaults=defaults, allowed_hosts=allowed_hosts,
+                         max_body_bytes=int(args.max_body_mib * 2**20), body_timeout_s=args.body_timeout)
     except BaseException:
         sock.close()
         raise

@@ -31,5 +31,7 @@ class DecodeParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.rule not in ("threshold", "low_confidence"):
             raise ValueError(f"rule must be 'threshold' or 'low_confidence', got {self.rule!r}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:      # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be between -2**63 and 2**64 - 1, got {self.seed}")
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}")

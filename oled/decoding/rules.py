@@ -15,7 +15,8 @@ def predict(logits: torch.Tensor, temperature: float, generator: torch.Generator
     """x0 and its probability per position (logits [B, V] fp32), still on the device. A row with a NaN or Inf
     gives a non-finite probability, which the loop reports (no host sync here to check it)."""
     if temperature > 0:
-        probs = torch.softmax(logits / temperature, dim=-1)
+        # shifted by the row's maximum first: a tiny temperature then sharpens to the argmax instead of overflowing
+        probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
         # multinomial refuses a non-finite row: draw that row from anything valid; its probability stays NaN
         finite = torch.isfinite(probs).all(dim=-1, keepdim=True)
         x0 = torch.multinomial(torch.where(finite, probs, 1.0), 1, generator=generator).squeeze(-1)

@@ -5,31 +5,38 @@ unknown field is an error ("Unrecognized request argument supplied"). Standard O
 use for (top_p, penalties, logit_bias, user, ...) are accepted and ignored; fields it cannot honour (n > 1,
 logprobs, echo, tools, ...) are answered with 400. The diffusion knobs are extra body fields: block_length,
 threshold, steps, rule, cache.
+
+Bodies are parsed and validated in one pass by pydantic's JSON parser (`model_validate_json`), which refuses what
+Python's `json` lets through to fail later: lone surrogates in strings (they cannot be tokenized or encoded back),
+nesting deeper than its recursion limit (no RecursionError), and NaN/Infinity.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse
 
 from .serving import RequestError
 
 PROMPT_TYPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+SEED_RANGE = (-2**63, 2**63 - 1)         # OpenAI's seed is an int64
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
     include_usage: bool | None = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -41,9 +48,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # diffusion decoding (extra body fields)
-    block_length: int | None = None
-    threshold: float | None = None
-    steps: int | None = None
+    block_length: int | None = Field(None, ge=1)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    steps: int | None = Field(None, ge=1)
     rule: Literal["threshold", "low_confidence"] | None = None
     cache: Literal["none", "prefix", "dual"] | None = None
 
@@ -70,7 +77,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -82,34 +89,58 @@ class ChatCompletionRequest(_Request):
     store: bool | None = None
 
 
+VALUE_ERRORS = {"greater_than_equal", "less_than_equal", "finite_number", "literal_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx and 5xx answer: OpenAI's error object (declared in the OpenAPI document)."""
+    error: ErrorDetail
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
 def _param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc
              if isinstance(p, int) or not ("[" in p or p in ("str", "int", "float", "bool", "list", "dict"))]
     return ".".join(parts) or None
 
 
-def parse(model: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a decoded JSON body; a failure becomes a 400 with an OpenAI error object."""
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Parse and validate a raw JSON body; a failure becomes a 400 with an OpenAI error object."""
+    if not raw.strip():
+        raise RequestError("the request body is empty: send a JSON object", code="invalid_json")
     try:
-        req = model.model_validate(body)
+        req = model.model_validate_json(raw)
     except ValidationError as e:
         err = e.errors()[0]
         loc = tuple(err.get("loc", ()))
         param = _param(loc)
+        if err["type"] == "json_invalid":
+            raise RequestError(f"could not parse the JSON body: {err['msg'].removeprefix('Invalid JSON: ')}",
+                               code="invalid_json") from None
+        if not loc:
+            raise RequestError("the request body must be a JSON object", code="invalid_json") from None
         if err["type"] == "extra_forbidden":
             raise RequestError(f"Unrecognized request argument supplied: {param}", param=param,
                                code="unknown_parameter") from None
         if err["type"] == "missing":
             raise RequestError(f"missing required parameter: {param}", param=param,
                                code="missing_required_parameter") from None
-        if loc and loc[0] == "prompt":
+        if loc[0] == "prompt":
             raise RequestError(f"prompt must be {PROMPT_TYPES}", param="prompt", code="invalid_type") from None
-        if loc and loc[0] == "stop":
+        if loc[0] == "stop":
             raise RequestError("stop must be a string or a list of strings", param="stop", code="invalid_type") \
                 from None
-        raise RequestError(f"{param}: {err['msg']}", param=param, code="invalid_type") from None
+        code = "invalid_value" if err["type"] in VALUE_ERRORS else "invalid_type"
+        raise RequestError(f"{param}: {err['msg']}", param=param, code=code) from None
     fmt = getattr(req, "response_format", None)
     if fmt and fmt.get("type") not in (None, "text"):
         raise RequestError(f"response_format {fmt.get('type')!r} is not supported", param="response_format")
@@ -117,6 +148,10 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
 
 
 # --------------------------------------------------------------------------------------------------- responses
+def error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -3,6 +3,8 @@
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming with server-sent events: one chunk per
 committed block), GET /health, GET /metrics (Prometheus text). Every error is an OpenAI error object
 {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status; nothing a client sends can stop the server.
+Before routing, the guards (guards.py) check the Host header and read the body within a size and a time limit;
+tokenization runs on a worker thread, so a long prompt never stalls the event loop (and /health).
 """
 from __future__ import annotations
 
@@ -15,15 +17,21 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding.params import DecodeParams
+from . import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from . import protocol as P
+from .guards import BodyLimits, HostCheck
 from .metrics import Metrics
-from .serving import EngineWorker, Job, RequestError, Translator, new_id
+from .openapi import STREAM_OR_JSON, errors, json_body, publish_request_bodies
+from .serving import EngineWorker, InternalError, Job, RequestError, Translator, new_id
 
 log = logging.getLogger("oled.server")
 POLL_S = 0.25            # how often a waiting non-streaming request checks that its client is still there
+CLIENT_GONE = 499        # metrics status of a request whose client left before any answer (nginx's code)
 
 
 class CountRequests:
@@ -35,7 +43,7 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]
+        status = [CLIENT_GONE]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
@@ -62,19 +70,18 @@ class JobStream(StreamingResponse):
             self.job.cancel()          # a no-op once the job has finished
 
 
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 16,
-               defaults: DecodeParams | None = None) -> FastAPI:
+               defaults: DecodeParams | None = None, allowed_hosts: list[str] | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app for `engine`. served_model_name: the model id clients use (default: the engine's model name);
     api_key: require `Authorization: Bearer <key>` on /v1/* and /metrics; max_queue: requests that may wait for
-    the engine before new ones get 429; defaults: decoding parameters of requests that do not set them."""
+    the engine before new ones get 429; defaults: decoding parameters of requests that do not set them;
+    allowed_hosts: the Host header names answered (None: any; see guards.default_allowed_hosts); max_body_bytes,
+    body_timeout_s: the largest request body (413 beyond) and the time it may take to arrive (408 beyond)."""
     names = [served_model_name or engine.model_name]
     metrics = Metrics()
     worker = EngineWorker(engine, metrics, max_queue=max_queue)
@@ -91,52 +98,56 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
 
     app = FastAPI(title="OLED-MoE", description="OpenAI-compatible server for MoE diffusion LLMs", lifespan=lifespan)
     app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+    publish_request_bodies(app)
+    # the last added runs first: count every request, then check its Host, then read its body
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     app.add_middleware(CountRequests, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------------ errors
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
-        return error_response(e)
+        return P.error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return error_response(RequestError(message, status=e.status_code, type=kind, headers=e.headers))
+        return P.error_response(RequestError(message, status=e.status_code, type=kind, headers=e.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
-        return error_response(RequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param))
+        return P.error_response(RequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param))
 
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):
         log.exception("internal error on %s", request.url.path)
-        return error_response(RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
-                                           type="server_error"))
+        return P.error_response(InternalError())
 
-    # -------------------------------------------------------------------------------------------------- auth
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # ----------------------------------------------------------------------------------------- auth, media type
+    bearer = HTTPBearer(auto_error=False)           # declares the scheme in the OpenAPI document
+
+    def check_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        token = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise RequestError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
                                status=401, type="authentication_error", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
 
-    auth = [Depends(check_key)]
+    def require_json(request: Request) -> None:
+        """415 unless the body is declared JSON: a web page can send text/plain or form data (or no type) to any
+        address without asking (a CORS "simple request"), but not application/json."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise RequestError(f"the request body must be sent with Content-Type: application/json, got "
+                               f"{media_type or 'none'}", status=415, code="unsupported_media_type")
 
-    # ---------------------------------------------------------------------------------------------- plumbing
-    async def read_json(request: Request):
-        raw = await request.body()
-        if not raw.strip():
-            raise RequestError("the request body is empty: send a JSON object", code="invalid_json")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"could not parse the JSON body: {e}", code="invalid_json") from None
+    auth = [Depends(check_key)] if api_key is not None else []
+    keyed = (401,) if api_key is not None else ()
+    posted = auth + [Depends(require_json)]
 
     async def collect(job: Job, request: Request):
         """Wait for a job's events; None if the client went away (the job is then cancelled)."""
@@ -220,40 +231,44 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         return JSONResponse(P.completion(rid, names[0], P.now(), finishes, diffusion))
 
     # ---------------------------------------------------------------------------------------------- endpoints
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health():
         if not worker.alive:
             return JSONResponse({"status": "unavailable", "model": names[0]}, status_code=503)
         return {"status": "ok", "model": names[0], "queue_depth": worker.depth,
                 "running": int(worker.running is not None), "max_queue": worker.max_queue}
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", dependencies=auth, responses=errors(*keyed), response_class=PlainTextResponse)
     async def get_metrics():
         text = metrics.render(engine, worker.depth, int(worker.running is not None), worker.max_queue)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=errors(*keyed))
     async def list_models():
         return {"object": "list",
                 "data": [P.model_card(n, created, engine.config.max_position_embeddings) for n in names]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=errors(*keyed, 404))
     async def get_model(model_id: str):
         translator.check_model(model_id)
         return P.model_card(model_id, created, engine.config.max_position_embeddings)
 
-    @app.post("/v1/completions", dependencies=auth)
+    completion_errors = {**STREAM_OR_JSON, **errors(*keyed, 404, 415, 429, 503)}
+
+    @app.post("/v1/completions", dependencies=posted, responses=completion_errors,
+              openapi_extra=json_body(P.CompletionRequest))
     async def completions(request: Request):
-        req = P.parse(P.CompletionRequest, await read_json(request))
+        req = P.parse(P.CompletionRequest, await request.body())
         translator.check_model(req.model)
-        prompts = translator.completion_prompts(req.prompt)
+        prompts = await run_in_threadpool(translator.completion_prompts, req.prompt)
         return await run(request, req, translator.params(req, prompts, "prompt"), chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=posted, responses=completion_errors,
+              openapi_extra=json_body(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req = P.parse(P.ChatCompletionRequest, await read_json(request))
+        req = P.parse(P.ChatCompletionRequest, await request.body())
         translator.check_model(req.model)
-        prompts = translator.chat_prompt(req.messages)
+        prompts = await run_in_threadpool(translator.chat_prompt, req.messages)
         return await run(request, req, translator.params(req, prompts, "messages"), chat=True)
 
     return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -28,9 +29,11 @@ from .text import IncrementalText
 log = logging.getLogger("oled.server")
 
 MAX_STOP = 4                     # OpenAI's limit on stop strings
+GREEDY_BELOW = 1e-6             # temperatures this small sample the argmax: decoded as greedy
 MAX_PROMPTS = 16                 # prompts of one /v1/completions request (run one after the other)
 PARAM_NAMES = {"gen_length": "max_tokens", "block_length": "block_length", "steps": "steps",
-               "threshold": "threshold", "temperature": "temperature", "rule": "rule", "cache": "cache"}
+               "threshold": "threshold", "temperature": "temperature", "rule": "rule", "cache": "cache",
+               "seed": "seed"}
 
 
 class RequestError(Exception):
@@ -50,6 +53,14 @@ class QueueFull(RequestError):
     def __init__(self, limit: int):
         super().__init__(f"the server is busy: {limit} requests are already waiting for the engine; retry later",
                          status=429, type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+class InternalError(RequestError):
+    """A 500 that says nothing about its cause (the traceback goes to the server's log, not to the client)."""
+
+    def __init__(self):
+        super().__init__("The server had an error while processing your request; its log has the details",
+                         status=500, type="server_error", code="internal_error")
 
 
 def new_id(prefix: str) -> str:
@@ -75,6 +86,9 @@ class Translator:
         self.names = names
         self.defaults = defaults or DecodeParams()
         self.max_positions = self.config.max_position_embeddings
+        per_token = self.tokenizer.max_chars_per_token()
+        # a text longer than this cannot fit in the context whatever its tokens: refused without tokenizing it
+        self.max_prompt_chars = None if per_token is None else self.max_positions * per_token
 
     def check_model(self, model: str | None) -> None:
         if model not in self.names:
@@ -96,7 +110,7 @@ class Translator:
         out = []
         for p in items:
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p)
+                ids = self.encode(p, "prompt")
             else:
                 ids = list(p)
                 bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -116,15 +130,26 @@ class Translator:
             content = m.content
             if isinstance(content, list):
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if part.type != "text":
                         raise RequestError(f"messages[{i}].content: only text parts are supported, got "
                                            f"{part.type!r}", param=f"messages.{i}.content")
+                    if part.text is None:
+                        raise RequestError(f"messages[{i}].content[{j}]: a text part needs a 'text' string",
+                                           param=f"messages.{i}.content.{j}.text", code="missing_required_parameter")
                     texts.append(part.text)
                 content = "".join(texts)
             role = "system" if m.role == "developer" else m.role
             plain.append({"role": role, "content": content or ""})
-        return [self.tokenizer.encode(self.tokenizer.chat_prompt(plain))]
+        return [self.encode(self.tokenizer.chat_prompt(plain), "messages")]
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize a prompt (slow for long texts: callers run this off the event loop)."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise RequestError(f"This model's maximum context length is {self.max_positions} tokens; a prompt of "
+                               f"{len(text)} characters needs more than that. Please shorten the prompt.",
+                               param=param, code="context_length_exceeded")
+        return self.tokenizer.encode(text)
 
     def params(self, req, prompts: list[list[int]], prompt_param: str) -> Prepared:
         d = self.defaults
@@ -136,8 +161,6 @@ class Translator:
         if getattr(req, "best_of", None) not in (None, 1):
             raise RequestError("only best_of=1 is supported", param="best_of")
         block = req.block_length if req.block_length is not None else (d.block_length or self.config.block_length)
-        if block <= 0:
-            raise RequestError(f"block_length must be positive, got {block}", param="block_length")
         if block > self.max_positions:
             raise RequestError(f"block_length {block} exceeds the model's context of {self.max_positions}",
                                param="block_length")
@@ -152,9 +175,6 @@ class Translator:
                 raise self._too_long(longest, 1, block, prompt_param)
             gen = min(d.gen_length, room)
         else:
-            if max_tokens <= 0:
-                raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
-                                   code="invalid_value")
             if max_tokens > self.max_positions:
                 raise RequestError(f"max_tokens {max_tokens} exceeds the model's context of {self.max_positions} "
                                    f"tokens", param="max_tokens", code="invalid_value")
@@ -165,12 +185,16 @@ class Translator:
         if not 0.0 <= temperature <= 2.0:
             raise RequestError(f"temperature must be between 0 and 2, got {temperature}", param="temperature",
                                code="invalid_value")
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0          # logits / 1e-38 overflow to inf (NaN probabilities); this samples the argmax
         stop = req.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if len(stop) > MAX_STOP:
             raise RequestError(f"at most {MAX_STOP} stop strings, got {len(stop)}", param="stop")
-        params = replace(d, gen_length=gen, block_length=block, temperature=temperature,
-                         seed=req.seed if req.seed is not None else d.seed,
+        seed = req.seed if req.seed is not None else d.seed
+        if seed is None and temperature > 0:
+            seed = secrets.randbits(63)        # OpenAI's meaning: without a seed, every request samples afresh
+        params = replace(d, gen_length=gen, block_length=block, temperature=temperature, seed=seed,
                          steps=req.steps if req.steps is not None else d.steps,
                          threshold=req.threshold if req.threshold is not None else d.threshold,
                          rule=req.rule if req.rule is not None else d.rule,
@@ -244,6 +268,7 @@ def diffusion_info(results, records, params: DecodeParams, queue_s: float) -> di
         "hit_rate": sum(r.pairs_hit for r in it) / pairs if pairs else 1.0,
         "h2d_bytes": sum(r.bytes_h2d for r in records),
         "cpu_pairs": sum(r.pairs_cpu for r in records),
+        "seed": params.seed if params.temperature > 0 else None,     # the seed sampled with (to reproduce it)
     }
 
 
@@ -325,8 +350,7 @@ class EngineWorker:
                 self._execute(job)
             except BaseException as e:        # never let one request take the engine thread down
                 log.exception("request failed")
-                job.push(("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
-                                                type="server_error")))
+                job.push(("error", InternalError()))
                 job.push(("done",))
                 if not isinstance(e, Exception):
                     raise
