@@ -3,8 +3,8 @@
 #   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
 #   wake   A/B of the CPU workers' wake modes (OLED_CPU_WAKE=layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
-#   grid   the policy grid of DESIGN.md section 8 on llada2-mini shapes, one `oled bench` command: every policy at
-#          100/60/40/25 % (GRID_POLICIES narrows it)
+#   grid   the default policy grid on llada2-mini shapes, one `oled bench` command: every baseline, oled and its
+#          ablations at 100/60/40/25 %, belady's bound beside them (GRID_POLICIES narrows it)
 #   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
@@ -23,6 +23,8 @@ cat $R/hardware.txt
 python3 -m oled.cli synth --help > /dev/null || { echo "oled does not import"; exit 1; }
 pack() { tar czf "$OUT/results-${STAGES// /-}.tgz" -C $OUT res; ls -la $OUT; }
 GRAPHS=${GRAPHS:-}
+# every baseline, the planner's own (no credit), OLED and its ablations; `oled bench` adds the belady bound rows
+ALL_POLICIES=full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative,oled,oled-retain,oled-coop
 if has smoke; then
   timeout ${SMOKE_S:-150} python3 benchmarks/h200_smoke.py 4 > $R/smoke.log 2>&1; rc=$?; echo "smoke rc=$rc"
   tail -30 $R/smoke.log
@@ -45,7 +47,7 @@ if has wake; then
 fi
 if has grid; then
   start=$(date +%s)
-  timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative} \
+  timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-$ALL_POLICIES} \
     --out $R/grid > $R/grid.log 2>&1
   echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log
 fi
@@ -59,7 +61,7 @@ if has core; then
     --out $R/core_mini.json --trace $R/mini.trace --costs > $R/core.log 2>&1; echo "core rc=$?"; tail -60 $R/core.log
 fi
 if has tiny; then
-  timeout ${TINY_S:-300} python3 -m oled.cli bench --policies ${TINY_POLICIES:-full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative} \
+  timeout ${TINY_S:-300} python3 -m oled.cli bench --policies ${TINY_POLICIES:-$ALL_POLICIES} \
     --budgets 1.0,0.6,0.4,0.25 --workload code --prompts ${TINY_PROMPTS:-2} --gen-length 128 --repeats 2 --no-progress $GRAPHS \
     --out $R/tiny-grid > $R/tiny-grid.log 2>&1; echo "tiny grid rc=$?"; tail -3 $R/tiny-grid.log
   python3 -m oled.cli bench --render $R/tiny-grid >> $R/tiny-grid.log 2>&1

@@ -41,8 +41,10 @@ else:
     status = 0 if ref == eager else 2
 COOP = {"misses": "cooperative"}     # lru with the planner splitting misses between loads and the CPU
 POLICIES = [] if QUICK else [("lru", "0.25", {}), ("prefetch", "0.25", {}), ("tide", "0.25", {}),
-                             ("fiddler", "0.25", {}), ("lru", "0.25", COOP)]
-SEGMENTED = [("lru", "0.25", {})] + ([] if QUICK else [("tide", "0.25", {}), ("lru", "0.25", COOP)])
+                             ("fiddler", "0.25", {}), ("lru", "0.25", COOP), ("oled-retain", "0.25", {}),
+                             ("oled", "0.25", {}), ("oled-coop", "0.25", {})]
+SEGMENTED = [("lru", "0.25", {})] + ([] if QUICK else [("tide", "0.25", {}), ("lru", "0.25", COOP),
+                                                        ("oled", "0.25", {})])
 for policy, budget, options in POLICIES:
     try:
         if policy == "fiddler":
@@ -56,7 +58,7 @@ for policy, budget, options in POLICIES:
         agree = sum(a == b for a, b in zip(toks, eager)) / max(len(eager), 1)
         first = next((i for i, (a, b) in enumerate(zip(toks, eager)) if a != b), None)
         print(f"{'':18s} agreement with full {agree:.3f}, first differing token {first}", flush=True)
-        if policy in ("lru", "prefetch") and not options and toks != eager:
+        if policy in ("lru", "prefetch", "oled-retain") and not options and toks != eager:
             print(f"{policy}: GPU-only policy changed tokens", flush=True)
             status = status or 1
     except Exception as e:  # report and go on: this is a smoke check

@@ -69,10 +69,12 @@ class OledPolicy(LRUPolicy):
         layer = event.layer
         self.touch(layer)
         self.predictor.observe(layer, event.ids, event.weights)
-        load, cpu = self.split(event)
+        # one order for the planner's eviction losses and the runtime's evictions (misses sent to the CPU are never
+        # resident, so listing them too changes nothing)
+        order = self.eviction_order(layer, event.resident | set(event.misses), needed=event.demand)
+        load, cpu = self.split(event, order)
         self.pending[layer] = event.demand
-        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident | set(load),
-                                                                            needed=event.demand))
+        return LayerDecision(load=load, cpu=cpu, evict=order)
 
     # ------------------------------------------------------------------------------------------------ retention
     def eviction_order(self, layer, candidates, needed=()):
@@ -82,7 +84,8 @@ class OledPolicy(LRUPolicy):
         return EvictionOrder(lambda: sorted(candidates, key=lambda e: (e in needed, score[e], last.get(e, -1), e)))
 
     # ------------------------------------------------------------------------------------------------ misses
-    def split(self, event):
+    def split(self, event, order=()):
+        """(load, cpu) of the layer's misses; `order` is the layer's eviction order (for the eviction losses)."""
         if self.misses == "load":
             return event.misses, []
         misses = event.misses
@@ -100,8 +103,7 @@ class OledPolicy(LRUPolicy):
         extra = max(0, len(misses) - max(free, 0))
         loss = []
         if extra:
-            victims = [e for e in self.eviction_order(event.layer, event.resident, needed=event.demand)
-                       if e not in event.demand][:extra]
+            victims = [e for e in order if e in event.resident and e not in event.demand][:extra]
             score = self.predictor.layer_scores(event.layer)
             tokens = max(1, round(event.ids.size / max(len(event.demand), 1)))    # a typical expert's tokens
             loss = [(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]

@@ -224,25 +224,36 @@ class _CopyLoad:
         return False
 
 
-def _copy_slowdown_with_cpu(store, kernel, device, jobs: int) -> float:
-    """H2D copy time while the CPU kernel runs back-to-back calls in a thread, over the time alone."""
+def _copy_slowdown_with_cpu(store, kernel, device, jobs: int, tokens: int = 4) -> float:
+    """H2D copy time while the CPU kernel runs back-to-back calls over cold experts in a thread, over the time
+    alone. The kernel's weights are made before the copies are timed, so what overlaps them is the kernel's reads."""
     import threading
 
-    from .cpu_kernel import calibrate
+    from .cpu_kernel import l3_bytes, make_cold_blobs
 
     n = 16
     alone = _time_copies(store, device, n)
-    stop = threading.Event()
+    esize = store.expert_bytes
+    count = max(2 * jobs, math.ceil(2.5 * l3_bytes() / esize) + jobs)
+    _buf, blobs = make_cold_blobs(store.hidden, store.intermediate, count, store.dtype)
+    P = tokens * jobs
+    x = torch.randn(P, store.hidden).to(store.dtype)
+    tok, offs = torch.arange(P, dtype=torch.int64), torch.arange(0, P + 1, tokens, dtype=torch.int64)
+    out = torch.empty(P, store.hidden, dtype=torch.float32)
+    stop, running = threading.Event(), threading.Event()
 
     def cpu_load():
+        cursor = 0
         while not stop.is_set():
-            calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=1,
-                      jobs_per_call=jobs)
+            cursor = 0 if cursor + jobs > count else cursor
+            kernel.run(x, tok, offs, blobs[cursor:cursor + jobs], store.intermediate, out)
+            cursor += jobs
+            running.set()
 
     t = threading.Thread(target=cpu_load, daemon=True)
     t.start()
     try:
-        time.sleep(0.05)                     # the kernel's working set allocated and its workers running
+        running.wait(timeout=5.0)
         busy = _time_copies(store, device, n)
     finally:
         stop.set()
