@@ -11,8 +11,8 @@ from .config import EngineConfig
 from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
-from .loader import build_empty, load_checkpoint, load_tensors
-from .models.config import config_from_dict
+from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
+from .models.config import config_from_dict, load_config
 from .policies import POLICIES, make_policy
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
@@ -68,8 +68,12 @@ class Engine:
             self.model_name = f"random:{cfg.random_weights}"
         else:
             model_dir = Path(cfg.model) if cfg.model else default_model_dir()
-            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
+            if not model_dir.is_dir():
+                raise CheckpointError(f"{model_dir}: not a directory")
+            # The tokenizer is checked against the config first: a mismatch fails before any weight is read.
             self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.tokenizer.check_against(load_config(model_dir), source=str(model_dir / "tokenizer.json"))
+            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self.timer = SectionTimer(self.device) if cfg.profile else None

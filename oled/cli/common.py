@@ -7,6 +7,17 @@ from ..config import EngineConfig
 from ..decoding.params import DecodeParams
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (layers, threads): 0 would divide by zero or do nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and runtime")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
@@ -26,10 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_execution_args(g) -> None:
     """How the engine runs, whatever the policy (shared by every command that builds an engine, `oled bench` too)."""
-    g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
+    g.add_argument("--layers", type=positive_int, help="override the number of layers of a random-weights preset")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores minus one)")
+    g.add_argument("--cpu-threads", type=positive_int, help="CPU expert threads (default: physical cores minus one)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
