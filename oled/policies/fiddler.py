@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..textfile import read_text
 from .base import LayerPlan, Policy
 
 CALIBRATE_HINT = ("run `oled calibrate --model DIR (or --random-weights PRESET) --prompt TEXT --out popularity.json` "
@@ -40,7 +41,7 @@ def load_popularity(source) -> tuple[dict[int, dict[int, int]], dict]:
     if isinstance(source, (str, Path)):
         path = Path(source)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path, "expert popularity file"))
         except FileNotFoundError:
             raise ValueError(f"expert popularity file {str(path)!r} not found; {CALIBRATE_HINT}") from None
         except json.JSONDecodeError as e:
