@@ -54,6 +54,6 @@ def check_host_memory(config, dtype: torch.dtype, device: torch.device, what: st
     dtype_name = str(dtype).replace("torch.", "")
     parts = f"routed experts {experts / 2**30:.1f} GiB" + (
         f" + other weights {other / 2**30:.1f} GiB" if device.type == "cpu" else "")
+    smaller = "fewer --layers, --dtype bfloat16," if dtype.itemsize > torch.bfloat16.itemsize else "fewer --layers"
     raise MemoryError(f"{what} needs {need / 2**30:.1f} GiB of host memory in {dtype_name} ({parts}); "
-                      f"{free / 2**30:.1f} GiB is available. Use fewer --layers, --dtype bfloat16, or a larger "
-                      f"machine")
+                      f"{free / 2**30:.1f} GiB is available. Use {smaller} or a larger machine")

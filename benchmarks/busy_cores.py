@@ -1,0 +1,67 @@
+"""The README's main job on a machine whose cores are busy with other work, against the same job on idle cores.
+
+Issue 16: with both cores of a 2-core machine busy, torch's default intra-op threads (one per core) spun against
+the load and the main job took 610 ms per token instead of 47. The engine now sizes torch's threads together with
+the CPU expert kernel's (oled/runtime/threads.py); this measures the default against `--torch-threads N`.
+
+    python benchmarks/busy_cores.py                      # default threads and --torch-threads <cores>
+    python benchmarks/busy_cores.py --repeats 5 --busy 2 --extra --policy tide --expert-budget 0.4
+
+The load is one Python busy loop per core in this process's CPU set (or --busy N), each ending by itself after
+--load-seconds even if this script is killed. TPOT is the job's own figure (decode time / generated tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MAIN_JOB = ["generate", "def fibonacci(n):", "--gen-length", "64", "--json"]
+BUSY_LOOP = "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
+LOAD_START_S = 0.5          # lets the busy loops reach full speed before the job starts
+
+
+def tpot_ms(extra: list[str]) -> float:
+    cli = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", cli, *MAIN_JOB, *extra], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["counters"]["tpot_s"] * 1e3
+
+
+def measure(extra: list[str], repeats: int, busy: int, load_seconds: float) -> float:
+    """Median TPOT over `repeats` runs, with `busy` busy loops running throughout (0: idle)."""
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(load_seconds)]) for _ in range(busy)]
+    try:
+        if loops:
+            time.sleep(LOAD_START_S)
+        return statistics.median(tpot_ms(extra) for _ in range(repeats))
+    finally:
+        for p in loops:
+            p.terminate()
+            p.wait()
+
+
+def main() -> int:
+    cores = len(os.sched_getaffinity(0))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--busy", type=int, default=cores, help="busy loops while loaded")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per setting (median)")
+    ap.add_argument("--load-seconds", type=float, default=300.0, help="each busy loop ends by itself after this")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more flags for the job")
+    args = ap.parse_args()
+    settings = [("default threads", []), (f"--torch-threads {cores}", ["--torch-threads", str(cores)])]
+    print(f"{cores} CPUs; main job: oled {' '.join(MAIN_JOB)} {' '.join(args.extra)}; median of {args.repeats}")
+    print(f"{'setting':<22} {'idle TPOT ms':>13} {'busy TPOT ms':>13} {'busy / idle':>12}")
+    for name, flags in settings:
+        idle = measure(flags + args.extra, args.repeats, 0, args.load_seconds)
+        busy = measure(flags + args.extra, args.repeats, args.busy, args.load_seconds)
+        print(f"{name:<22} {idle:13.1f} {busy:13.1f} {busy / idle:12.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
