@@ -7,8 +7,9 @@ the CPU expert kernel's (oled/runtime/threads.py); this measures the default aga
     python benchmarks/busy_cores.py                      # default threads and --torch-threads <cores>
     python benchmarks/busy_cores.py --repeats 5 --busy 2 --extra --policy tide --expert-budget 0.4
 
-The load is one Python busy loop per core in this process's CPU set (or --busy N), each ending by itself after
---load-seconds even if this script is killed. TPOT is the job's own figure (decode time / generated tokens).
+The load is one Python busy loop per core in this process's CPU set (or --busy N), started for each loaded run and
+ending by itself after --load-seconds even if this script is killed; idle and loaded runs alternate. TPOT is the
+job's own figure (decode time / generated tokens). The load-average column shows load from outside the script.
 """
 from __future__ import annotations
 
@@ -31,17 +32,26 @@ def tpot_ms(extra: list[str]) -> float:
     return json.loads(out.stdout)["counters"]["tpot_s"] * 1e3
 
 
-def measure(extra: list[str], repeats: int, busy: int, load_seconds: float) -> float:
-    """Median TPOT over `repeats` runs, with `busy` busy loops running throughout (0: idle)."""
+def busy_tpot_ms(extra: list[str], busy: int, load_seconds: float) -> float:
+    """One run with `busy` busy loops running throughout."""
     loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(load_seconds)]) for _ in range(busy)]
     try:
-        if loops:
-            time.sleep(LOAD_START_S)
-        return statistics.median(tpot_ms(extra) for _ in range(repeats))
+        time.sleep(LOAD_START_S)
+        return tpot_ms(extra)
     finally:
         for p in loops:
             p.terminate()
             p.wait()
+
+
+def measure(extra: list[str], repeats: int, busy: int, load_seconds: float) -> tuple[float, float]:
+    """Median idle and busy TPOT, the runs interleaved (idle, busy, idle, ...) so that load from outside this
+    script drifts into both alike."""
+    idle, loaded = [], []
+    for _ in range(repeats):
+        idle.append(tpot_ms(extra))
+        loaded.append(busy_tpot_ms(extra, busy, load_seconds))
+    return statistics.median(idle), statistics.median(loaded)
 
 
 def main() -> int:
@@ -55,11 +65,11 @@ def main() -> int:
     args = ap.parse_args()
     settings = [("default threads", []), (f"--torch-threads {cores}", ["--torch-threads", str(cores)])]
     print(f"{cores} CPUs; main job: oled {' '.join(MAIN_JOB)} {' '.join(args.extra)}; median of {args.repeats}")
-    print(f"{'setting':<22} {'idle TPOT ms':>13} {'busy TPOT ms':>13} {'busy / idle':>12}")
+    print(f"{'setting':<22} {'idle TPOT ms':>13} {'busy TPOT ms':>13} {'busy / idle':>12} {'load avg':>9}")
     for name, flags in settings:
-        idle = measure(flags + args.extra, args.repeats, 0, args.load_seconds)
-        busy = measure(flags + args.extra, args.repeats, args.busy, args.load_seconds)
-        print(f"{name:<22} {idle:13.1f} {busy:13.1f} {busy / idle:12.2f}", flush=True)
+        load = os.getloadavg()[0]            # 1-minute load before the setting: shows load from outside
+        idle, busy = measure(flags + args.extra, args.repeats, args.busy, args.load_seconds)
+        print(f"{name:<22} {idle:13.1f} {busy:13.1f} {busy / idle:12.2f} {load:9.2f}", flush=True)
     return 0
 
 

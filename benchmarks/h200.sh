@@ -3,7 +3,7 @@
 #   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
 #   wake   A/B of the CPU workers' wake modes (OLED_CPU_WAKE=layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
-#   grid   the policy grid of DESIGN.md section 8 on llada2-mini shapes, one `oled bench` command: every policy at
+#   grid   the policy grid of docs/DESIGN.md section 8 on llada2-mini shapes, one `oled bench` command: every policy at
 #          100/60/40/25 % (GRID_POLICIES narrows it)
 #   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model

@@ -2,7 +2,7 @@
 
 Reads the checkpoint's safetensors directly, computes in fp32 with explicit loops where the math is subtle
 (routing, MoE), recomputes the whole visible sequence every iteration (no KV cache), and decodes with the LLaDA2
-rule of DESIGN.md section 4.3.
+rule of docs/DESIGN.md section 4.3.
 """
 from __future__ import annotations
 
