@@ -140,3 +140,14 @@ def test_stats_per_request_and_bounded(monkeypatch):
     assert s["totals"]["pairs"] > sum(r["totals"]["pairs"] for r in s["requests"]) > 0
     assert s["forwards"] == sum(o.counters["nfe"] for o in outs)
     assert {r.forward for r in llm.engine.manager.stats.records} <= set(range(outs[-1].counters["nfe"] + 2))
+
+
+def test_synth_progress_bar_has_a_total(capsys, tmp_path):
+    from oled.loader import official_tensors
+    from oled.models.config import config_from_dict
+    from oled.synth import preset_config
+
+    assert main(["synth", "--preset", "tiny", str(tmp_path / "ck")]) == 0
+    total = len(official_tensors(config_from_dict(preset_config("tiny"))))
+    err = capsys.readouterr().err
+    assert "writing: 100%" in err and f" {total}/{total} " in err, err      # without a total: no % and no /N
