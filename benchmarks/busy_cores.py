@@ -4,8 +4,9 @@ Issue 16: with both cores of a 2-core machine busy, torch's default intra-op thr
 the load and the main job took 610 ms per token instead of 47. The engine now sizes torch's threads together with
 the CPU expert kernel's (oled/runtime/threads.py); this measures the default against `--torch-threads N`.
 
-    python benchmarks/busy_cores.py                      # default threads and --torch-threads <cores>
-    python benchmarks/busy_cores.py --repeats 5 --busy 2 --extra --policy tide --expert-budget 0.4
+    python benchmarks/busy_cores.py --repeats 5          # the engine's default threads
+    python benchmarks/busy_cores.py --compare            # also --torch-threads <cores>, torch's own default
+    python benchmarks/busy_cores.py --extra --policy tide --expert-budget 0.4
 
 The load is one Python busy loop per core in this process's CPU set (or --busy N), started for each loaded run and
 ending by itself after --load-seconds even if this script is killed; idle and loaded runs alternate. TPOT is the
@@ -61,9 +62,13 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=cores, help="busy loops while loaded")
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (median)")
     ap.add_argument("--load-seconds", type=float, default=300.0, help="each busy loop ends by itself after this")
+    ap.add_argument("--compare", action="store_true",
+                    help=f"also run with --torch-threads {cores} (torch's own default: one thread per core)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more flags for the job")
     args = ap.parse_args()
-    settings = [("default threads", []), (f"--torch-threads {cores}", ["--torch-threads", str(cores)])]
+    settings = [("default threads", [])]
+    if args.compare:
+        settings.append((f"--torch-threads {cores}", ["--torch-threads", str(cores)]))
     print(f"{cores} CPUs; main job: oled {' '.join(MAIN_JOB)} {' '.join(args.extra)}; median of {args.repeats}")
     print(f"{'setting':<22} {'idle TPOT ms':>13} {'busy TPOT ms':>13} {'busy / idle':>12} {'load avg':>9}")
     for name, flags in settings:
