@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -30,6 +31,14 @@ def error_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+class _SubParser(argparse.ArgumentParser):
+    """Every subcommand's parser shows defaults in --help (subcommands need not ask for it one by one)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     from .. import __version__
 
@@ -51,14 +60,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
-class _SubParser(argparse.ArgumentParser):
-    """Every subcommand's parser shows defaults in --help (subcommands need not ask for it one by one)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-
 def main(argv=None) -> int:
     parser, modules = build_parser()
     args = parser.parse_args(argv)
@@ -68,10 +69,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        # The reader left (`| head`): stop quietly, and point stdout at /dev/null so that the interpreter's final
-        # flush does not raise again on the closed pipe.
+        # The reader left (`| head`): say so in one line (stderr may be that pipe too: then nothing), and point
+        # stdout at /dev/null so that the interpreter's final flush does not raise again on the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"oled {args.command}: output closed by the reader; stopped", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            print(f"oled {args.command}: output closed by the reader; stopped", file=sys.stderr)
         return EXIT_BROKEN_PIPE
     except (ValueError, OSError, RuntimeError, MemoryError) as e:   # bad input: one clear line, non-zero exit
         if args.verbose:
