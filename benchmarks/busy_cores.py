@@ -11,6 +11,8 @@ the CPU expert kernel's (oled/runtime/threads.py); this measures the default aga
 The load is one Python busy loop per core in this process's CPU set (or --busy N), started for each loaded run and
 ending by itself after --load-seconds even if this script is killed; idle and loaded runs alternate. TPOT is the
 job's own figure (decode time / generated tokens). The load-average column shows load from outside the script.
+The control row times a fixed single-threaded torch loop the same way: the slowdown the machine itself gives one
+thread under this load, which the engine's ratio is to be read against.
 """
 from __future__ import annotations
 
@@ -27,31 +29,41 @@ BUSY_LOOP = "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile tim
 LOAD_START_S = 0.5          # lets the busy loops reach full speed before the job starts
 
 
+# The control: a fixed single-threaded torch workload, to tell the machine's own slowdown under the load (its
+# scheduler, SMT siblings on a virtual machine) from what the engine adds. Prints its wall time in ms.
+CONTROL = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nt = time.perf_counter()\n"
+           "for _ in range(3000):\n    a @ a\nprint((time.perf_counter() - t) * 1e3)\n")
+
+
 def tpot_ms(extra: list[str]) -> float:
     cli = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", cli, *MAIN_JOB, *extra], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)["counters"]["tpot_s"] * 1e3
 
 
-def busy_tpot_ms(extra: list[str], busy: int, load_seconds: float) -> float:
-    """One run with `busy` busy loops running throughout."""
+def control_ms(_extra: list[str]) -> float:
+    return float(subprocess.run([sys.executable, "-c", CONTROL], capture_output=True, text=True, check=True).stdout)
+
+
+def busy_run(job, extra: list[str], busy: int, load_seconds: float) -> float:
+    """One run of job(extra) with `busy` busy loops running throughout."""
     loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(load_seconds)]) for _ in range(busy)]
     try:
         time.sleep(LOAD_START_S)
-        return tpot_ms(extra)
+        return job(extra)
     finally:
         for p in loops:
             p.terminate()
             p.wait()
 
 
-def measure(extra: list[str], repeats: int, busy: int, load_seconds: float) -> tuple[float, float]:
-    """Median idle and busy TPOT, the runs interleaved (idle, busy, idle, ...) so that load from outside this
-    script drifts into both alike."""
+def measure(job, extra: list[str], repeats: int, busy: int, load_seconds: float) -> tuple[float, float]:
+    """Median idle and busy figure of job(extra), the runs interleaved (idle, busy, idle, ...) so that load from
+    outside this script drifts into both alike."""
     idle, loaded = [], []
     for _ in range(repeats):
-        idle.append(tpot_ms(extra))
-        loaded.append(busy_tpot_ms(extra, busy, load_seconds))
+        idle.append(job(extra))
+        loaded.append(busy_run(job, extra, busy, load_seconds))
     return statistics.median(idle), statistics.median(loaded)
 
 
@@ -70,11 +82,13 @@ def main() -> int:
     if args.compare:
         settings.append((f"--torch-threads {cores}", ["--torch-threads", str(cores)]))
     print(f"{cores} CPUs; main job: oled {' '.join(MAIN_JOB)} {' '.join(args.extra)}; median of {args.repeats}")
-    print(f"{'setting':<22} {'idle TPOT ms':>13} {'busy TPOT ms':>13} {'busy / idle':>12} {'load avg':>9}")
-    for name, flags in settings:
+    print(f"{'setting':<28} {'idle ms':>9} {'busy ms':>9} {'busy / idle':>12} {'load avg':>9}")
+    rows = [(name, tpot_ms, flags + args.extra) for name, flags in settings]
+    rows.append(("control: 1-thread torch loop", control_ms, []))
+    for name, job, extra in rows:
         load = os.getloadavg()[0]            # 1-minute load before the setting: shows load from outside
-        idle, busy = measure(flags + args.extra, args.repeats, args.busy, args.load_seconds)
-        print(f"{name:<22} {idle:13.1f} {busy:13.1f} {busy / idle:12.2f} {load:9.2f}", flush=True)
+        idle, busy = measure(job, extra, args.repeats, args.busy, args.load_seconds)
+        print(f"{name:<28} {idle:9.1f} {busy:9.1f} {busy / idle:12.2f} {load:9.2f}", flush=True)
     return 0
 
 
