@@ -121,11 +121,10 @@ def main(argv=None):
             json.dump(rep, f, indent=1)
         out["unique_experts_per_layer_iteration_trace"] = rep["unique_experts_per_layer_iteration"]
     if args.costs:
-        from oled.engine import default_cpu_threads
         from oled.runtime.cost_model import measure
         from oled.runtime.cpu_kernel import CpuExpertKernel
 
-        kernel = CpuExpertKernel(num_threads=default_cpu_threads(engine.device))
+        kernel = CpuExpertKernel(num_threads=engine.threads.kernel_threads)
         costs = measure(engine.store, kernel, engine.device)
         out["cost_model"] = {"kernel": kernel.name, "threads": kernel.num_threads, "h2d_gbps": costs.h2d_gbps,
                              "cpu_us_per_expert": {t: v * 1e6 for t, v in costs.cpu_seconds.items()},

@@ -17,7 +17,8 @@ class EngineConfig:
     misses: str | None = None             # lru, lfu, prefetch, oled-coop: "load" or "cooperative" (planner + CPU)
     tide_tau: int | None = None           # tide: refresh period in iterations
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
-    cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus one)
+    cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus torch's)
+    torch_threads: int | None = None      # torch intra-op threads (default: 1, sized with cpu_threads)
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips

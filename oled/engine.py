@@ -11,12 +11,14 @@ from .config import EngineConfig
 from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
-from .loader import build_empty, load_checkpoint, load_tensors
-from .models.config import config_from_dict
+from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
+from .models.config import config_from_dict, load_config
 from .policies import POLICIES, make_policy, policy_options
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
+from .runtime.host_memory import check_host_memory
 from .runtime.manager import ExpertManager
+from .runtime.threads import plan_threads
 from .runtime.timer import SectionTimer
 from .synth import build_tokenizer, preset_config, random_tensors
 from .tokenizer import Tokenizer
@@ -26,13 +28,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "float32": torch.float32, "fp32": torch.float32}
 
 
-def default_cpu_threads(device: torch.device) -> int:
-    """CPU expert threads: the physical cores but one, which is left to the main thread (it launches GPU work and
-    issues copies, or on a CPU-only machine computes the resident experts while the CPU jobs run): with every core
-    busy, a preempted worker stalls the whole batch. Measured: 3-6x slower CPU batches on the H200 host with all 16
-    cores; on a 2-core CPU-only machine, tide's CPU jobs took 4.45 ms per iteration with 2 threads, 0.90 with 1."""
-    from .runtime.cpu_kernel import physical_cpus
-    return max(1, len(physical_cpus()[0]) - 1)
+def pick_device(name: str | None) -> torch.device:
+    """The device to run on; CUDA asked for on a machine without it is refused here, in one line."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count()} GPUs visible); use --device cpu")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {name!r}: the engine runs on cuda or cpu")
+    return device
 
 
 def default_model_dir() -> Path:
@@ -46,7 +53,10 @@ class Engine:
         if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
             raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
                              "its misses itself")
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(cfg.device)
+        self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
+        torch.set_num_threads(self.threads.torch_threads)
+        log.info("threads: %s", self.threads.describe())
         dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype_name not in DTYPES:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(DTYPES)}")
@@ -55,6 +65,7 @@ class Engine:
         if cfg.random_weights:
             raw = preset_config(cfg.random_weights, cfg.layers)
             config = config_from_dict(raw)
+            check_host_memory(config, self.dtype, self.device, f"preset {cfg.random_weights}")
             loaded = build_empty(config, self.dtype, self.device, pin)
             gen_device = self.device if self.device.type == "cuda" else "cpu"
             stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
@@ -67,8 +78,14 @@ class Engine:
             self.model_name = f"random:{cfg.random_weights}"
         else:
             model_dir = Path(cfg.model) if cfg.model else default_model_dir()
-            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
+            if not model_dir.is_dir():
+                raise CheckpointError(f"{model_dir}: not a directory")
+            # The tokenizer is checked against the config first: a mismatch fails before any weight is read.
+            config = load_config(model_dir)
             self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.tokenizer.check_against(config, source=str(model_dir / "tokenizer.json"))
+            check_host_memory(config, self.dtype, self.device, str(model_dir))
+            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self.timer = SectionTimer(self.device) if cfg.profile else None
@@ -104,7 +121,7 @@ class Engine:
         if self.policy.uses_cpu:
             if self._cpu_kernel is None:
                 from .runtime.cpu_kernel import CpuExpertKernel
-                self._cpu_kernel = CpuExpertKernel(num_threads=self.cfg.cpu_threads or default_cpu_threads(self.device))
+                self._cpu_kernel = CpuExpertKernel(num_threads=self.threads.kernel_threads)
             cpu_kernel = self._cpu_kernel
             if self.costs is None:
                 self.costs = load_or_measure(self.store, cpu_kernel, self.device)

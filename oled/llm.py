@@ -1,11 +1,15 @@
 """The Python API: `oled.LLM(...)`."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 from .config import EngineConfig
 from .decoding.params import DecodeParams
 from .engine import Engine
+from .runtime.stats import Aggregate
+
+STATS_HISTORY = 100     # per-request summaries LLM.stats() lists; older requests remain in the total only
 
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _DECODE_FIELDS = {f.name for f in fields(DecodeParams)}
@@ -32,6 +36,9 @@ class LLM:
             options["random_weights"], model = model.split(":", 1)[1], None
         self.engine = Engine(EngineConfig(model=model, **options))
         self.tokenizer = self.engine.tokenizer
+        self._stats_runtime = None        # the manager the statistics below belong to
+        self._stats_total = Aggregate()
+        self._stats_requests: deque[dict] = deque(maxlen=STATS_HISTORY)
 
     def _params(self, params: dict) -> DecodeParams:
         unknown = set(params) - _DECODE_FIELDS
@@ -65,7 +72,15 @@ class LLM:
             if on_block is not None:
                 on_block(self.tokenizer.decode(ids), new_ids, finished)
 
+        manager = self.engine.manager
+        if manager is not self._stats_runtime:          # a new runtime (set_runtime): its statistics start afresh
+            self._stats_runtime, self._stats_total = manager, Aggregate()
+            self._stats_requests.clear()
+        manager.stats.reset()                           # the manager holds this request's records only
         res = self.engine.generate_ids(prompt_ids, params, on_block=stream, cancelled=cancelled)
+        request = manager.stats.aggregate()
+        self._stats_total += request
+        self._stats_requests.append(dict(request.summary(), generated_tokens=len(res.token_ids)))
         text = self.tokenizer.decode(res.token_ids)
         finish = res.finish_reason
         for s in params.stop:
@@ -75,4 +90,6 @@ class LLM:
                       counters=res.counters())
 
     def stats(self) -> dict:
-        return self.engine.manager.stats.summary()
+        """Expert statistics (hit rates, H2D traffic, CPU work: see runtime/stats.py) summed over every request since
+        the runtime was built, and under "requests" each of the last STATS_HISTORY requests' own, oldest first."""
+        return dict(self._stats_total.summary(), requests=list(self._stats_requests))

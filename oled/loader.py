@@ -7,6 +7,7 @@ initialised and thrown away.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from .models.config import ModelConfig, load_config
 from .models.model import MoEDiffusionLM
 from .runtime.store import ExpertStore
+
+log = logging.getLogger("oled")
 
 
 class CheckpointError(ValueError):
@@ -115,10 +118,13 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
     names = name_map(config, params)
     official = {n: o for o, n in names.items()}
     loaded_count = {name: 0 for name in params}
+    extra_layers: dict[int, str] = {}             # layer index -> a file holding it
     for name, tensor, source in tensors:
         layer_m = LAYER_OF.match(name)
         if layer_m and int(layer_m.group(1)) >= config.num_layers:
-            continue                              # e.g. multi-token-prediction layers: not used for decoding
+            # e.g. the published LLaDA2 multi-token-prediction layer: not used for decoding, but say so
+            extra_layers.setdefault(int(layer_m.group(1)), source)
+            continue
         if not (tensor.is_floating_point()):
             raise CheckpointError(f"{source}: tensor {name} has dtype {tensor.dtype}, expected a floating type")
         m = EXPERT_NAME.match(name)
@@ -141,6 +147,10 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
                                   f"expected {tuple(param.shape)}")
         param.data.copy_(tensor)
         loaded_count[target] += 1
+    if extra_layers:
+        log.warning("checkpoint holds layer(s) %s beyond num_hidden_layers %d (in %s): ignored",
+                    ", ".join(map(str, sorted(extra_layers))), config.num_layers,
+                    ", ".join(sorted(set(extra_layers.values()))))
     missing = [official[n] for n, c in loaded_count.items() if c == 0] + store.missing()
     twice = [official[n] for n, c in loaded_count.items() if c > 1]
     twice += store.duplicated()
@@ -151,11 +161,26 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
         raise CheckpointError(f"checkpoint holds tensor(s) more than once: {', '.join(twice[:5])}")
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name), checked: a malformed index is named with its key."""
+    try:
+        doc = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: invalid JSON ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: key 'weight_map' must be an object of tensor name -> shard file, got "
+                              f"{type(weight_map).__name__ if weight_map is not None else 'nothing'}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] must be a shard file name, got {file!r}")
+    return weight_map
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(read_index(index).values()))
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -169,12 +194,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def stream_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Tensors one at a time from the shards (memory-mapped; never the whole checkpoint in memory)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name), path.name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = f.keys()
+                for name in names:
+                    try:
+                        tensor = f.get_tensor(name)
+                    except (SafetensorError, RuntimeError, ValueError) as e:
+                        raise CheckpointError(f"{path.name}: tensor {name} cannot be read ({e})") from None
+                    yield name, tensor, path.name
+        except (SafetensorError, OSError) as e:    # truncated, empty, garbage header, data beyond the file
+            raise CheckpointError(f"{path.name}: not a readable safetensors file ({e})") from None
 
 
 def load_checkpoint(model_dir: str | Path, dtype: torch.dtype, device, pin: bool = True,

@@ -90,15 +90,16 @@ def write_checkpoint(raw_config: dict, out_dir: str | Path, seed: int = 0,
     """Write config.json, sharded safetensors with an index, and tokenizer.json, as published."""
     from safetensors.torch import save_file
 
+    config = config_from_dict(raw_config)          # an invalid config is refused before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = config_from_dict(raw_config)
     (out / "config.json").write_text(json.dumps(raw_config, indent=2))
     build_tokenizer(config).save(str(out / "tokenizer.json"))
     stream = random_tensors(config, seed)
     if progress:
         from tqdm import tqdm
-        stream = tqdm(stream, desc="writing", unit="tensor")
+        from .loader import official_tensors
+        stream = tqdm(stream, total=len(official_tensors(config)), desc="writing", unit="tensor")
     # Shards are flushed as they fill (the model is never whole in memory) and renamed once their count is known.
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[Path, list[str]]] = []

@@ -21,7 +21,24 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: no tokenizer.json in the model directory")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:     # the Rust library raises a bare Exception for any malformed file
+            raise TokenizerError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+
+    def check_against(self, config, source: str = "tokenizer.json") -> None:
+        """The tokenizer and the model must agree: every id it can produce is a row of the embedding, and the mask
+        and EOS ids the decoder relies on are tokens of it (else a prompt could index past the embedding, or
+        generation could never stop)."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        top = max(vocab.values(), default=-1)
+        if top >= config.vocab_size:
+            token = next(t for t, i in vocab.items() if i == top)
+            raise TokenizerError(f"{source}: token {token!r} has id {top}, beyond the model's vocab_size "
+                                 f"{config.vocab_size}")
+        for key in ("mask_token_id", "eos_token_id"):
+            if self.tok.id_to_token(getattr(config, key)) is None:
+                raise TokenizerError(f"{source}: no token has the config's {key} {getattr(config, key)}")
 
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL and encode does not: a long text tokenized on a worker thread (the server)

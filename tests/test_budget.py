@@ -20,9 +20,9 @@ def budget(spec, num_layers=L, num_experts=E, expert_bytes=EB) -> ExpertBudget:
 @pytest.mark.parametrize("spec,slots", [
     ("1.0", 16), ("1", 16), (1.0, 16), ("0.5", 8), (0.25, 4), ("0.0625", 1), (".5", 8), ("5e-1", 8),
     ("0.49", 7),                                   # rounded down: a budget is a ceiling
-    ("50%", 8), ("25 %", 4), ("100%", 16), ("6.25%", 1), ("150%", 16),    # above 100 %: every expert resident
+    ("50%", 8), ("25 %", 4), ("100%", 16), ("6.25%", 1),
     (f"{TOTAL}", None), (f"{TOTAL}B", 16), (f"{TOTAL // 2}b", 8), ("96KiB", 2), ("96kib", 2), ("0.09375MiB", 2),
-    ("98.304kB", 2), ("1GiB", 16), (" 0.5 ", 8),
+    ("98.304kB", 2), ("768KiB", 16), (" 0.5 ", 8),
 ])
 def test_parse(spec, slots):
     if slots is None:   # a bare number above 1 is not a size: refused (see test_bare_number_above_one)
@@ -50,6 +50,15 @@ def test_bare_number_above_one(spec):
         budget(spec)
     msg = str(err.value)
     assert "\n" not in msg and "at most 1" in msg and "%" in msg and "GiB" in msg
+
+
+@pytest.mark.parametrize("spec", ["150%", "100.5%", "999GiB", f"{TOTAL + 1}B"])
+def test_above_all_experts_refused_like_a_bare_two(spec):
+    with pytest.raises(BudgetError) as err:
+        budget(spec)
+    msg = str(err.value)
+    assert "\n" not in msg and ("more than all the routed experts take" in msg and "1.0 (or 100%)" in msg
+                                 or "must be at most 100%" in msg)
 
 
 @pytest.mark.parametrize("spec", ["", "abc", "-0.5", "0.5x", "12 parsecs", "1/2"])

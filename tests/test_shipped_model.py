@@ -39,3 +39,14 @@ def test_generation_report_checks():
     assert is_valid("def g(b):\n", "    if b:\n        return 1\n    ret")       # open block gets a `pass`
     assert not is_valid("def g(b):\n", "    return (b\n")
     assert adds_body("    x = 1\n") and not adds_body("\n# comment\ndef k():\n") and not adds_body("    y = 2")
+
+
+def test_generation_report_shows_progress(tmp_path, capsys):
+    from oled.train.generation_report import generation_report
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text('def one():\n    """One."""\n    return 1\n<|endoftext|>def two():\n    return 2\n')
+    rep = generation_report(None, str(heldout), n=2, gen_length=8, progress=True)
+    assert rep["prompts"] == 2
+    err = capsys.readouterr().err
+    assert "generation report: 100%" in err and "2/2" in err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -263,6 +264,36 @@ def test_checkpoint_layout_matches_official(tmp_path):
     assert back.moe_layers()[0].gate.expert_bias.dtype == torch.float32
 
 
+def test_quick_training_honours_minutes(tmp_path):
+    """No --steps: training stops early enough that evaluation and saving end within --minutes (it planned a
+    negative deadline and overran before)."""
+    corpus = tiny_corpus(tmp_path)
+    minutes = 0.2
+    args = tiny.build_parser().parse_args(["--corpus", str(corpus), "--out", str(tmp_path / "ckpt"), "--device",
+                                           "cpu", "--quick", "--minutes", str(minutes), "--max-shard-mb", "0"])
+    t0 = time.time()
+    log = tiny.train(args, t0)
+    assert time.time() - t0 <= minutes * 60
+    assert log["steps"] > 0 and log["wall_time_s"] <= minutes * 60
+
+
+def tiny_corpus(tmp_path):
+    src = tmp_path / "stdlib"
+    for rel, text in SOURCES.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text * 6)
+    corpus = tmp_path / "corpus"
+    add_heldout_if_missing(corpus, src, build_corpus(corpus, vocab_size=300, root=src, heldout_percent=50,
+                                                     verbose=False))
+    return corpus
+
+
+def add_heldout_if_missing(corpus, src, manifest):
+    if not any(e["split"] == "heldout" for e in manifest["files"]):    # the tiny corpus needs a held-out file
+        (corpus / "heldout.txt").write_text((src / "alpha.py").read_text() + "<|endoftext|>")
+        (corpus / "heldout_ids.npy").unlink(missing_ok=True)
+
+
 def test_quick_training_end_to_end(tmp_path):
     src = tmp_path / "stdlib"
     for rel, text in SOURCES.items():
@@ -278,9 +309,7 @@ def test_quick_training_end_to_end(tmp_path):
     assert {e["split"] for e in manifest["files"]} <= {"train", "heldout"}
     for e in manifest["files"]:
         assert len(e["sha256"]) == 64 and e["bytes"] == len((src / e["path"]).read_bytes())
-    if not any(e["split"] == "heldout" for e in manifest["files"]):    # the tiny corpus needs a held-out file
-        (corpus / "heldout.txt").write_text((src / "alpha.py").read_text() + "<|endoftext|>")
-        (corpus / "heldout_ids.npy").unlink(missing_ok=True)
+    add_heldout_if_missing(corpus, src, manifest)
     out = tmp_path / "ckpt"
     args = tiny.build_parser().parse_args([
         "--corpus", str(corpus), "--out", str(out), "--device", "cpu", "--quick", "--steps", "40",

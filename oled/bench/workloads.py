@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..textfile import read_text
+
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
 ALIASES = {"long-context": "long", "longcontext": "long", "gsm": "math"}
 SYNTHETIC_PROMPTS = 8
@@ -58,7 +60,13 @@ def _chat(messages: list[dict]) -> str:
 
 
 def read_file(path: Path, name: str | None = None) -> Workload:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, line in enumerate(read_text(path, "workload file").splitlines(), 1):
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"workload file {str(path)!r} line {number}: not JSON ({e})") from None
     if not lines or not lines[0].get("_header"):
         raise ValueError(f"workload file {path}: the first line must be a header object with \"_header\": true and "
                          f"the provenance (see oled/bench/workloads.py)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from ..policies import POLICIES
 from .common import add_decode_args, add_execution_args
 
 
@@ -24,8 +25,8 @@ def add_parser(sub) -> None:
     src.add_argument("--render", metavar="DIR", help="only re-render DIR/report.md and plots from DIR/results.jsonl")
     g = p.add_argument_group("grid")
     g.add_argument("--policies", default="full,lru",
-                   help="comma-separated policies; options as name:key=value (tide:tau=2); `full` runs at 100%% only "
-                        "(default: full,lru)")
+                   help=f"comma-separated policies ({', '.join(sorted(POLICIES))}); options as name:key=value "
+                        "(tide:tau=2); `full` runs at 100%% only (default: full,lru)")
     g.add_argument("--budgets", default="1.0,0.6,0.4,0.25",
                    help="comma-separated expert budgets: fractions, percentages or sizes (default: 1.0,0.6,0.4,0.25)")
     g.add_argument("--workload", default="code",
@@ -58,6 +59,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..bench import BenchConfig, render, run_bench
     from ..bench.runner import parse_list
+    from ..runtime.budget import parse_spec
     from .common import decode_params
 
     if args.render:
@@ -66,7 +68,10 @@ def run(args) -> int:
         return 0
     if args.model and args.random_weights:
         raise ValueError("give --model or --random-weights, not both")
-    cfg = BenchConfig(policies=parse_list(args.policies), budgets=parse_list(args.budgets),
+    budgets = parse_list(args.budgets)
+    for spec in budgets:            # a typo is refused before any run, not skipped after the model is loaded
+        parse_spec(spec)
+    cfg = BenchConfig(policies=parse_list(args.policies), budgets=budgets,
                       workloads=parse_list(args.workload), out=args.out, model=args.model,
                       random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
                       dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,

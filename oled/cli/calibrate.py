@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..textfile import read_text
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 CALIBRATION_POLICIES = ("full", "lru")
@@ -41,10 +42,11 @@ def collect_prompts(args) -> list[str]:
     """The texts of --prompt and --prompts-file, in that order (the workload comes later: it needs the tokenizer)."""
     prompts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ValueError(f"--prompts-file {str(path)!r} not found")
-        prompts += [line for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = read_text(args.prompts_file, "--prompts-file")
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} not found") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts and not args.workload:
         raise ValueError("no prompts: give --prompt TEXT (repeatable), --prompts-file FILE or --workload NAME")
     return prompts

@@ -10,6 +10,17 @@ from ..policies import DEFAULT_POLICY, POLICIES, policy_class
 LIVE_POLICIES = [name for name in POLICIES if not policy_class(name).needs_future]   # belady: replay only
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (layers, threads): 0 would divide by zero or do nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and runtime")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
@@ -18,22 +29,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random-weights seed")
     g.add_argument("--expert-budget", default="1.0",
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
-    g.add_argument("--policy", default=DEFAULT_POLICY,
-                   help=f"expert residency policy: {', '.join(LIVE_POLICIES)} (default: %(default)s)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=LIVE_POLICIES,
+                   help="expert residency policy (default: %(default)s)")
     g.add_argument("--misses", choices=["load", "cooperative"],
                    help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
                         "planner split misses between loading and the CPU on the measured costs")
     g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
     g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
     add_execution_args(g)
+    g.add_argument("--torch-threads", type=positive_int,
+                   help="torch intra-op threads (default: 1; the other physical cores go to the CPU expert kernel)")
 
 
 def add_execution_args(g) -> None:
     """How the engine runs, whatever the policy (shared by every command that builds an engine, `oled bench` too)."""
-    g.add_argument("--layers", type=int, help="override the number of layers of a random-weights preset")
+    g.add_argument("--layers", type=positive_int, help="override the number of layers of a random-weights preset")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores minus one)")
+    g.add_argument("--cpu-threads", type=positive_int, help="CPU expert threads (default: physical cores minus torch's threads)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
@@ -50,16 +63,18 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, help="iterations per block of the minimum schedule (default: block; capped "
                                              "at the block length and, for LLaDA2, at --gen-length)")
     g.add_argument("--threshold", type=float, default=d.threshold, help="commit confidence threshold")
-    g.add_argument("--rule", default=d.rule, choices=["threshold", "low_confidence"])
-    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--rule", default=d.rule, choices=["threshold", "low_confidence"],
+                   help="commit rule: every position above the threshold, or LLaDA's fixed steps")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (0: greedy)")
     g.add_argument("--sample-seed", dest="sample_seed", type=int, help="sampling seed")
-    g.add_argument("--cache", default=d.cache, choices=["none", "prefix", "dual"])
+    g.add_argument("--cache", default=d.cache, choices=["none", "prefix", "dual"], help="KV cache mode")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, random_weights=args.random_weights, layers=args.layers, seed=args.seed,
                         device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
                         misses=args.misses, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
+                        torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs,
                         profile=getattr(args, "profile", False))

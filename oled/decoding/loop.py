@@ -1,4 +1,4 @@
-"""The block-diffusion decoding loop (DESIGN.md section 4.3). One loop; the rule and the cache mode are injected.
+"""The block-diffusion decoding loop (docs/DESIGN.md section 4.3). One loop; the rule and the cache mode are injected.
 
 Bookkeeping (canvas, block state) is NumPy on the host; each iteration moves one block of predictions to the host.
 """

@@ -151,7 +151,74 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# Published config keys whose values must be whole numbers (eos_token_id may also be a list of them).
+INTEGER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rotary_dim", "intermediate_size", "moe_intermediate_size", "expert_intermediate_size",
+                "dense_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace", "num_experts",
+                "num_experts_per_tok", "num_shared_experts", "n_group", "topk_group", "mask_token_id",
+                "eos_token_id", "pad_token_id", "block_length", "max_position_embeddings")
+NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")
+# ModelConfig field -> the published key it comes from, so an error names what the user can find in config.json.
+CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads", "top_k": "num_experts_per_tok",
+              "expert_intermediate_size": "moe_intermediate_size", "num_dense_layers": "first_k_dense_replace"}
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                   "num_experts", "top_k", "expert_intermediate_size", "n_group", "topk_group", "block_length",
+                   "max_position_embeddings")
+TOKEN_ID_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(raw: dict) -> None:
+    for key in INTEGER_KEYS:
+        v = raw.get(key)
+        if v is None or _is_int(v) or (key == "eos_token_id" and isinstance(v, list) and v and all(map(_is_int, v))):
+            continue
+        raise ConfigError(f"{key!r} must be an integer, got {v!r}")
+    if raw.get("num_attention_heads", 1) < 1:      # the parsers divide by it
+        raise ConfigError(f"'num_attention_heads' must be at least 1, got {raw['num_attention_heads']}")
+    for key in NUMBER_KEYS:
+        v = raw.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            raise ConfigError(f"{key!r} must be a number, got {v!r}")
+
+
+def _check_values(c: ModelConfig) -> None:
+    """Values that would crash or silently corrupt decoding later (an EOS that can never be generated, a group
+    router with no group) are refused here, naming the config key."""
+    def fail(field_name, why):
+        raise ConfigError(f"{CONFIG_KEY.get(field_name, field_name)!r} {why}")
+
+    for name in POSITIVE_FIELDS:
+        if getattr(c, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(c, name)}")
+    for name in TOKEN_ID_FIELDS:
+        if not 0 <= getattr(c, name) < c.vocab_size:
+            fail(name, f"{getattr(c, name)} is outside the vocabulary (vocab_size {c.vocab_size})")
+    if c.top_k > c.num_experts:
+        fail("top_k", f"{c.top_k} is larger than num_experts {c.num_experts}")
+    if c.num_experts % c.n_group:
+        fail("n_group", f"{c.n_group} does not divide num_experts {c.num_experts}")
+    if c.topk_group > c.n_group:
+        fail("topk_group", f"{c.topk_group} is larger than n_group {c.n_group}")
+    if c.top_k > c.topk_group * (c.num_experts // c.n_group):
+        fail("top_k", f"{c.top_k} is more than the {c.topk_group} kept groups of "
+                      f"{c.num_experts // c.n_group} experts hold")
+    if c.num_heads % c.num_kv_heads:
+        fail("num_kv_heads", f"{c.num_kv_heads} does not divide num_attention_heads {c.num_heads}")
+    if not 0 <= c.rotary_dim <= c.head_dim or c.rotary_dim % 2:
+        fail("rotary_dim", f"{c.rotary_dim} must be even and at most head_dim {c.head_dim}")
+    if not 0 <= c.num_dense_layers <= c.num_layers:
+        fail("num_dense_layers", f"{c.num_dense_layers} must be between 0 and num_hidden_layers {c.num_layers}")
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected a JSON object of config keys, got a {type(raw).__name__}")
+    _check_types(raw)
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -160,7 +227,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
     eos = _get(raw, "eos_token_id", default=arch.eos_token_id)
     if isinstance(eos, list):
         eos = eos[0]
-    return ModelConfig(
+    config = ModelConfig(
         model_type=model_type, vocab_size=_get(raw, "vocab_size"), num_layers=_get(raw, "num_hidden_layers"),
         mask_token_id=_get(raw, "mask_token_id", default=arch.mask_token_id), eos_token_id=eos,
         pad_token_id=_get(raw, "pad_token_id", default=eos),
@@ -169,6 +236,8 @@ def config_from_dict(raw: dict) -> ModelConfig:
         torch_dtype=str(_get(raw, "dtype", "torch_dtype", default="bfloat16")),
         extra=raw, **fields,
     )
+    _check_values(config)
+    return config
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -167,10 +167,12 @@ class Policy:
 
 def read_json(path, what: str, hint: str = ""):
     """A policy's data file (JSON), with one clear line for a missing or malformed file."""
+    from ..textfile import read_text
+
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, f"{what} file"))
     except FileNotFoundError:
         raise ValueError(f"{what} file {str(path)!r} not found{hint}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise ValueError(f"{what} file {str(path)!r} is not JSON ({e})") from None

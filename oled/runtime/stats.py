@@ -1,4 +1,4 @@
-"""Per-layer, per-forward expert statistics (DESIGN.md section 7), kept as plain Python records."""
+"""Per-layer, per-forward expert statistics (docs/DESIGN.md sections 5.7 and 7), kept as plain Python records."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -58,29 +58,56 @@ class RunStats:
                 pop[r.layer][e] += n
         return {layer: dict(d) for layer, d in pop.items()}
 
-    def summary(self, kinds=("iteration",)) -> dict:
+    def aggregate(self, kinds=("iteration",)) -> "Aggregate":
+        """The sums behind summary(): small, and addable across requests (LLM.stats keeps these, not records)."""
         rows = [r for r in self.records if r.kind in kinds]
-        if not rows:
-            return {}
-        tot = {c: sum(getattr(r, c) for r in rows) for c in COUNTERS}
-        forwards = len({r.forward for r in rows})
-        n_layers = len({r.layer for r in rows})
         util = [r.resident_used / r.resident for r in rows if r.resident]
-        cpu_s, cpu_s_model = sum(r.cpu_s for r in rows), sum(r.cpu_s_model for r in rows)
+        return Aggregate(counters={c: sum(getattr(r, c) for r in rows) for c in COUNTERS},
+                         forwards=len({r.forward for r in rows}), layers=frozenset(r.layer for r in rows),
+                         utilization_sum=float(np.sum(util)) if util else 0.0, utilization_n=len(util),
+                         cpu_s=sum(r.cpu_s for r in rows), cpu_s_model=sum(r.cpu_s_model for r in rows))
+
+    def summary(self, kinds=("iteration",)) -> dict:
+        return self.aggregate(kinds).summary()
+
+    def to_rows(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Sums of a set of layer records: enough for every ratio of summary(), and closed under addition."""
+    counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    forwards: int = 0
+    layers: frozenset = frozenset()
+    utilization_sum: float = 0.0      # sum over records with residents of resident_used / resident
+    utilization_n: int = 0
+    cpu_s: float = 0.0
+    cpu_s_model: float = 0.0
+
+    def __add__(self, other: "Aggregate") -> "Aggregate":
+        return Aggregate({c: self.counters[c] + other.counters[c] for c in COUNTERS}, self.forwards + other.forwards,
+                         self.layers | other.layers, self.utilization_sum + other.utilization_sum,
+                         self.utilization_n + other.utilization_n, self.cpu_s + other.cpu_s,
+                         self.cpu_s_model + other.cpu_s_model)
+
+    def summary(self) -> dict:
+        """Hit rates, traffic and CPU work per forward; {} when there is nothing to summarise."""
+        if not self.forwards:
+            return {}
+        tot, forwards = dict(self.counters), self.forwards
         return {
             "forwards": forwards,
             "hit_rate_tokens": tot["pairs_hit"] / max(tot["pairs"], 1),
             "hit_rate_experts": tot["experts_hit"] / max(tot["experts"], 1),
-            "cache_utilization": float(np.mean(util)) if util else 0.0,
+            "cache_utilization": self.utilization_sum / self.utilization_n if self.utilization_n else 0.0,
             "hits_per_loaded_expert": tot["pairs_hit"] / max(tot["loads"] + tot["prefetches"], 1),
             "h2d_gb_per_iteration": tot["bytes_h2d"] / 1e9 / forwards,
             "cpu_pairs_per_iteration": tot["pairs_cpu"] / forwards,
             "loads_per_iteration": tot["loads"] / forwards,
-            "unique_experts_per_layer_iteration": tot["experts"] / (forwards * n_layers),
-            "cpu_ms_per_iteration": cpu_s * 1e3 / forwards,
-            "cpu_cost_model_ratio": cpu_s_model / cpu_s if cpu_s > 0 and cpu_s_model > 0 else None,
+            "unique_experts_per_layer_iteration": tot["experts"] / (forwards * len(self.layers)),
+            "cpu_ms_per_iteration": self.cpu_s * 1e3 / forwards,
+            "cpu_cost_model_ratio": (self.cpu_s_model / self.cpu_s if self.cpu_s > 0 and self.cpu_s_model > 0
+                                     else None),
             "totals": tot,
         }
-
-    def to_rows(self) -> list[dict]:
-        return [asdict(r) for r in self.records]

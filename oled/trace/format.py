@@ -17,6 +17,8 @@ the workload, the live run's statistics (for the replay check), git commit, date
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,8 +176,8 @@ class Trace:
         try:
             with np.load(path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not an oled trace ({e})") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:   # truncated or not a trace
+            raise ValueError(f"{path}: not an oled trace, or truncated ({e})") from None
         if "header" not in data or "ops" not in data:
             raise ValueError(f"{path}: not an oled trace (no header/ops)")
         header = json.loads(data.pop("header").tobytes().decode())

@@ -64,14 +64,17 @@ def adds_body(completion: str) -> bool:
     return any(line.startswith((" ", "\t")) and line.strip() and not line.strip().startswith("#") for line in lines)
 
 
-def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen_length: int = 64) -> dict:
+def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen_length: int = 64,
+                      progress: bool = False) -> dict:
+    """progress: a bar over the prompts on stderr (the whole report takes minutes on a CPU)."""
     import oled
+    from tqdm import tqdm
 
     llm = oled.LLM(model_dir, policy="full")
     prompts = function_prompts(Path(heldout_path).read_text(), "<|endoftext|>", n)
     block = llm.engine.config.block_length
     rows, t0 = [], time.perf_counter()
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="generation report", unit="prompt", disable=not progress):
         first_block: list[str] = []
 
         def on_block(text, new_ids, finished, first_block=first_block):
@@ -97,14 +100,16 @@ def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny model)")
     ap.add_argument("--corpus", required=True, help="corpus directory holding heldout.txt")
-    ap.add_argument("--n", type=int, default=40)
-    ap.add_argument("--gen-length", type=int, default=64)
+    ap.add_argument("--n", type=int, default=40, help="held-out functions to complete")
+    ap.add_argument("--gen-length", type=int, default=64, help="tokens to generate per function")
     ap.add_argument("--out", help="write the report as JSON")
     args = ap.parse_args(argv)
-    rep = generation_report(args.model, str(Path(args.corpus) / "heldout.txt"), args.n, args.gen_length)
+    rep = generation_report(args.model, str(Path(args.corpus) / "heldout.txt"), args.n, args.gen_length,
+                            progress=True)
     print(f"{rep['prompts']} held-out functions: first block valid Python {rep['valid_first_block_fraction']:.1%} "
           f"(adds a body statement {rep['adds_body_fraction']:.1%}, valid with one {rep['valid_with_body_fraction']:.1%}), "
           f"whole completion {rep['valid_full_fraction']:.1%}, EOS {rep['eos_fraction']:.1%}, "

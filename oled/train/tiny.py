@@ -42,6 +42,11 @@ from .tokenizer_train import special_token_ids
 DEFAULT_MODEL = dict(hidden_size=256, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                      intermediate_size=512, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
                      n_group=8, topk_group=4, num_shared_experts=1, first_k_dense_replace=1)
+# The wall-time budget (--minutes) covers set-up, training, the final evaluation and saving.
+FINAL_EVAL_SHARE = 0.25     # at most this share of the budget for the final held-out evaluation
+EVAL_TIME_SAFETY = 1.5      # evaluation time is estimated from one periodic check; allow this much more
+SAVE_MARGIN_SHARE = 0.1     # kept free for saving the checkpoint and the log ...
+SAVE_MARGIN_MAX_S = 15.0    # ... up to this many seconds (the default model saves in a few)
 QUICK_MODEL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    n_group=2, topk_group=1, num_shared_experts=1, first_k_dense_replace=1)
@@ -162,12 +167,25 @@ def train(args: argparse.Namespace, t_start: float | None = None) -> dict:
         return float(np.mean([v["loss_text"] for v in m.values()])), time.time() - t
 
     v0, v_time = val_loss()
-    # Reserve for the end: the full evaluation (scaled from the periodic check), saving, and a margin.
-    reserve = v_time * all_windows.shape[0] / max(val_w.shape[0], 1) * 1.5 + 15.0 + 0.03 * budget_s
+    # The end must fit in the budget: the last periodic check, the final evaluation (both timed from the check
+    # just run) and saving. The final evaluation gets at most FINAL_EVAL_SHARE of the budget, on an evenly spread
+    # subset of the held-out windows if all of them would take longer.
+    per_window = v_time / max(val_w.shape[0], 1) * EVAL_TIME_SAFETY
+    fit = max(val_w.shape[0], int(FINAL_EVAL_SHARE * budget_s / max(per_window, 1e-9)))
+    if fit < all_windows.shape[0]:
+        print(f"[train-tiny] final evaluation on {fit} of {all_windows.shape[0]} held-out windows to fit "
+              f"--minutes {args.minutes:g}", flush=True)
+        all_windows = all_windows[torch.linspace(0, all_windows.shape[0] - 1, fit).long()]
+    save_margin = min(SAVE_MARGIN_MAX_S, SAVE_MARGIN_SHARE * budget_s)
+    reserve = per_window * (val_w.shape[0] + all_windows.shape[0]) + save_margin
     train_deadline = t_start + budget_s - reserve
     t_train0 = time.time()
-    print(f"[train-tiny] held-out check at init: {v0:.3f} ({v_time:.1f}s); training until "
-          f"{train_deadline - t_start:.0f}s, reserve {reserve:.0f}s", flush=True)
+    if train_deadline <= t_train0:
+        print(f"[train-tiny] --minutes {args.minutes:g} leaves no time to train after {t_train0 - t_start:.0f}s of "
+              f"set-up and {reserve:.0f}s reserved for evaluation and saving: 0 steps", flush=True)
+    else:
+        print(f"[train-tiny] held-out check at init: {v0:.3f} ({v_time:.1f}s); training until "
+              f"{train_deadline - t_start:.0f}s of {budget_s:.0f}s, reserve {reserve:.0f}s", flush=True)
 
     history, val_history = [], [{"step": 0, "time_s": round(time.time() - t_start, 1), "val_loss": v0}]
     best = {"val": v0, "step": 0, "state": None}

@@ -1,0 +1,59 @@
+"""Host memory: what a model's weights need in RAM, checked against what the machine has before allocating.
+
+Without the check, a model larger than the machine dies in the allocator (or is killed by the OOM killer) after
+minutes of work, with no word about the size it needed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def available_bytes() -> int | None:
+    """Memory that can be allocated without swapping: MemAvailable on Linux (free plus reclaimable page cache),
+    else the free pages; None where neither is known."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def weight_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
+    """(routed-expert bytes, other weight bytes) of the model in `dtype` (tensors published in fp32 stay fp32)."""
+    from ..loader import EXPERT_NAME, official_tensors
+
+    experts = other = 0
+    for name, shape, file_dtype in official_tensors(config):
+        itemsize = (file_dtype if file_dtype == torch.float32 else dtype).itemsize
+        nbytes = itemsize * torch.Size(shape).numel()
+        if EXPERT_NAME.match(name):
+            experts += nbytes
+        else:
+            other += nbytes
+    return experts, other
+
+
+def check_host_memory(config, dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """Refuse, in one line, a model whose host-side weights do not fit in the available memory. The routed experts
+    always live on the host; the other weights too when the device is the CPU."""
+    experts, other = weight_bytes(config, dtype)
+    need = experts + (other if device.type == "cpu" else 0)
+    free = available_bytes()
+    if free is None or need <= free:
+        return
+    dtype_name = str(dtype).replace("torch.", "")
+    parts = f"routed experts {experts / 2**30:.1f} GiB" + (
+        f" + other weights {other / 2**30:.1f} GiB" if device.type == "cpu" else "")
+    smaller = "fewer --layers, --dtype bfloat16," if dtype.itemsize > torch.bfloat16.itemsize else "fewer --layers"
+    raise MemoryError(f"{what} needs {need / 2**30:.1f} GiB of host memory in {dtype_name} ({parts}); "
+                      f"{free / 2**30:.1f} GiB is available. Use {smaller} or a larger machine")
