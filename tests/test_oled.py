@@ -162,8 +162,9 @@ def test_retention_evicts_the_lowest_predicted_reuse():
 
 # ------------------------------------------------------------------------------------------------- reuse credit
 def test_reuse_credit_buys_a_load_the_makespan_alone_would_not():
-    """Loads twice as costly as CPU jobs: without a credit a miss goes to the CPU (lru, cooperative); with `oled`,
-    a miss routed by a decoded position (high reuse) is loaded, one routed only by a committed one stays on the CPU."""
+    """Loads twice as costly as CPU jobs: without a credit every miss goes to the CPU (lru, cooperative). With
+    `oled`, a miss routed by a decoded position (its routing repeats for many iterations) is loaded; one routed by a
+    masked position about to be committed (confidence 0.99: low reuse in this calibration) stays on the CPU."""
     expert_bytes = 6 * 2**20
     costs = balanced_costs(expert_bytes, seconds=50e-6)
     costs.h2d_gbps /= 2.0
@@ -171,16 +172,22 @@ def test_reuse_credit_buys_a_load_the_makespan_alone_would_not():
     info = ForwardInfo(kind="iteration", start=0, tokens=2, block_start=0, block_length=2)
     decided = {}
     for name in ("lru", "oled"):
-        p = make_policy(name, misses="cooperative") if name == "lru" else make_policy(name)
+        p = make_policy("lru", misses="cooperative") if name == "lru" else make_policy(name, calibration=_calibration())
         p.setup(ctx)
         p.on_forward(info)
         p.decide(_event(1, {0: 1, 1: 1}, {0, 1, 2, 3}))
-        p.on_iteration(IterationEvent(block=0, step=1, iteration=0, state=np.array([D, C], np.int8),
-                                      confidence=np.full(2, -np.inf), block_done=False))
+        p.on_iteration(IterationEvent(block=0, step=1, iteration=0, state=np.array([D, M], np.int8),
+                                      confidence=np.array([-np.inf, 0.99]), block_done=False))
         p.on_forward(info)
         decided[name] = p.decide(_event(1, {8: 1, 9: 1}, {0, 1, 2, 3}))
     assert decided["lru"].load == [] and sorted(decided["lru"].cpu) == [8, 9]
     assert decided["oled"].load == [8] and decided["oled"].cpu == [9]
+    p = make_policy("oled", calibration=_calibration(), horizon=1)     # valued over one iteration: not worth it
+    p.setup(ctx)
+    assert p.future_uses(0.95) == 1 and p.future_uses(0.5) == 1 and make_policy("oled").future_uses(0.5) == 1.0
+    assert make_policy("oled").future_uses(0.99) == 8 and make_policy("oled").future_uses(1.0) == 8
+    with pytest.raises(ValueError, match="horizon"):
+        make_policy("oled", horizon=0)
 
 
 # ------------------------------------------------------------------------------------------------------- belady

@@ -10,9 +10,10 @@ confidence say whether its routing will repeat (policies/reuse.py). So instead o
      being served needs. No speculative loads.
   3. Cooperative misses (`misses=cooperative`): per layer the planner (runtime/planner.py) splits the misses
      between loading and the CPU, minimising the layer's makespan minus the reuse credit of each load, plus the
-     predicted value of what each load evicts. A miss's credit is P(some position routed to it now routes to it
-     next iteration) times what a hit then saves (the cheaper of a load and its CPU time); a resident's value is
-     P(reuse) = 1 - exp(-score) times the same saving.
+     predicted value of what each load evicts. With p = P(some position routed to the miss now routes to it next
+     iteration), its credit is the iterations it is expected to keep being reused, min(p / (1 - p), horizon), times
+     what a hit then saves (the cheaper of a load and its CPU time); a resident's value is the same with
+     p = 1 - exp(-score).
 Variants (the ablations): `oled` = reuse retention + cooperative misses; `oled-retain` = reuse retention, every
 miss loaded; `oled-coop` = LRU retention + reuse-aware cooperative misses.
 """
@@ -31,10 +32,10 @@ RETENTIONS = ("reuse", "lru")
 
 class OledPolicy(LRUPolicy):
     name = "oled"
-    options = ("misses", "retention", "decay", "weighting", "calibration")
+    options = ("misses", "retention", "decay", "weighting", "calibration", "horizon")
 
     def __init__(self, misses: str = "cooperative", retention: str = "reuse", decay: float = 0.0,
-                 weighting: str = "count", calibration=None):
+                 weighting: str = "count", calibration=None, horizon: float = 8.0):
         super().__init__(misses=misses)
         if retention not in RETENTIONS:
             raise ValueError(f"policy {self.name!r}: retention must be one of {', '.join(RETENTIONS)}, "
@@ -45,7 +46,11 @@ class OledPolicy(LRUPolicy):
         decay = float(decay)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"policy {self.name!r}: decay must be in [0, 1), got {decay!r}")
-        self.retention, self.decay, self.weighting = retention, decay, weighting
+        horizon = float(horizon)
+        if not horizon > 0:
+            raise ValueError(f"policy {self.name!r}: horizon (iterations a retained expert is valued over) must be "
+                             f"positive, got {horizon!r}")
+        self.retention, self.decay, self.weighting, self.horizon = retention, decay, weighting, horizon
         self.calibration = ReuseCalibration.load(calibration)
 
     def setup(self, ctx):
@@ -98,7 +103,7 @@ class OledPolicy(LRUPolicy):
         for e in misses:
             routed = np.nonzero((event.ids == e).any(axis=1))[0]
             reuse = 1.0 - float(np.prod(1.0 - p_row[routed]))
-            credit[e] = reuse * self._saving(costs, event.demand[e])
+            credit[e] = self.future_uses(reuse) * self._saving(costs, event.demand[e])
         free = self.ctx.capacity - len(event.resident)
         extra = max(0, len(misses) - max(free, 0))
         loss = []
@@ -106,8 +111,13 @@ class OledPolicy(LRUPolicy):
             victims = [e for e in order if e in event.resident and e not in event.demand][:extra]
             score = self.predictor.layer_scores(event.layer)
             tokens = max(1, round(event.ids.size / max(len(event.demand), 1)))    # a typical expert's tokens
-            loss = [(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]
+            loss = [self.future_uses(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]
         return self.cooperative_split(event, credit=credit, evict_loss=loss)
+
+    def future_uses(self, p: float) -> float:
+        """Expected iterations an expert reused next iteration with probability p keeps being reused, if each next
+        one repeats with p too (p / (1 - p)), at most the horizon (a block runs a handful of iterations)."""
+        return self.horizon if p >= 1.0 else min(p / (1.0 - p), self.horizon)
 
     @staticmethod
     def _saving(costs, tokens: int) -> float:

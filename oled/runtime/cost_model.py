@@ -56,11 +56,19 @@ class CostModel:
 
     def cpu_expert_seconds(self, tokens: int) -> float:
         """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
-        return _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
+        memo = self._cpu_memo
+        if tokens not in memo:        # the planner asks for every miss of every layer: a few token counts recur
+            memo[tokens] = _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
+        return memo[tokens]
 
     def gpu_expert_seconds(self, tokens: int) -> float:
         """Per-expert grouped-GEMM time on the device for `tokens` tokens (0 where it was not measured)."""
-        return _per_token_count(self.gpu_seconds, self._gpu_counts, tokens) if self.gpu_seconds else 0.0
+        if not self.gpu_seconds:
+            return 0.0
+        memo = self._gpu_memo
+        if tokens not in memo:
+            memo[tokens] = _per_token_count(self.gpu_seconds, self._gpu_counts, tokens)
+        return memo[tokens]
 
     def cpu_transfer_seconds(self, rows: int, pairs: int) -> float:
         """The activations' round trip of a layer with CPU work: its input rows to the host, the pairs' outputs
@@ -74,6 +82,14 @@ class CostModel:
     @cached_property
     def _gpu_counts(self) -> list[int]:
         return sorted(self.gpu_seconds)
+
+    @cached_property
+    def _cpu_memo(self) -> dict[int, float]:
+        return {}
+
+    @cached_property
+    def _gpu_memo(self) -> dict[int, float]:
+        return {}
 
     def cpu_jobs_seconds(self, tokens) -> float:
         """One kernel call over experts with these token counts (0 for none)."""

@@ -56,7 +56,7 @@ def plan_costs(masks: np.ndarray, experts: list[int], inputs: PlanInputs, cost: 
     n_load = masks.sum(axis=1)
     n_cpu = len(experts) - n_load
     has_load, has_cpu = n_load > 0, n_cpu > 0
-    gpu_hits = sum(cost.gpu_expert_seconds(t) for t in inputs.hit_tokens)
+    gpu_hits = sum(map(cost.gpu_expert_seconds, inputs.hit_tokens))
     copy = cost.load_seconds(n_load) * np.where(has_cpu, cost.copy_slowdown_with_cpu, 1.0)
     gpu_side = copy + gpu_hits + masks @ gpu_t
     cpu_pairs = (~masks) @ tok
@@ -102,6 +102,10 @@ def split_misses(inputs: PlanInputs, cost: CostModel) -> tuple[list[int], list[i
     experts = sorted(inputs.tokens)
     if not experts:
         return [], []
+    if inputs.min_loads == len(experts):      # every miss fits a free slot: nothing to weigh
+        return experts, []
+    if inputs.load_cap == 0:                  # no slot may take a load
+        return [], experts
     masks = _candidates(experts, inputs, cost)
     n_load = masks.sum(axis=1)
     feasible = (n_load >= inputs.min_loads) & (n_load <= inputs.load_cap)

@@ -146,9 +146,10 @@ class Residency:
     # ------------------------------------------------------------------------------------------------ slots
     def _insert(self, layer: int, experts: list[int], protected: set[int], evict_order: list[int]) -> list[int]:
         slots = []
-        order = iter(evict_order)
+        order = None                       # the policy's order is only evaluated when a slot must be freed
         for e in experts:
             if not self.cache.has_free_slot(layer):
+                order = iter(evict_order) if order is None else order
                 resident = self.cache.resident(layer)
                 victim = next((v for v in order if v in resident and v not in protected), None)
                 if victim is None:
