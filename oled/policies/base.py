@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -56,14 +55,14 @@ class LayerEvent:
     predicted: dict[int, int] | None = None     # policies with wants_prediction: the next layer's predicted demand
     next_layer: int | None = None
     next_resident: set[int] | None = None
+    hits: list[int] = None           # needed experts resident (computed if not given), in demand order
+    misses: list[int] = None         # needed experts not resident
 
-    @cached_property
-    def misses(self) -> list[int]:
-        return [e for e in self.demand if e not in self.resident]
-
-    @cached_property
-    def hits(self) -> list[int]:
-        return [e for e in self.demand if e in self.resident]
+    def __post_init__(self):
+        if self.hits is None:
+            self.hits = [e for e in self.demand if e in self.resident]
+        if self.misses is None:
+            self.misses = [e for e in self.demand if e not in self.resident]
 
 
 class EvictionOrder:

@@ -99,11 +99,14 @@ class OledPolicy(LRUPolicy):
         costs = self.ctx.costs
         rows, positions = self.predictor.row_positions()
         p_row = self.predictor.current_p(rows, positions, len(event.ids))
-        credit = {}
-        for e in misses:
-            routed = np.nonzero((event.ids == e).any(axis=1))[0]
-            reuse = 1.0 - float(np.prod(1.0 - p_row[routed]))
-            credit[e] = self.future_uses(reuse) * self._saving(costs, event.demand[e])
+        # P(no row routed to e now routes to it next iteration) = prod over those rows of (1 - p): one bincount of
+        # log(1 - p) over every (row, expert) pair (a row routes to an expert at most once)
+        k = event.ids.shape[1]
+        log_keep = np.log1p(-np.minimum(p_row, 1.0 - 1e-12))
+        none_reused = np.exp(np.bincount(event.ids.reshape(-1), weights=np.repeat(log_keep, k),
+                                         minlength=self.ctx.num_experts))
+        credit = {e: self.future_uses(1.0 - float(none_reused[e])) * self._saving(costs, event.demand[e])
+                  for e in misses}
         free = self.ctx.capacity - len(event.resident)
         extra = max(0, len(misses) - max(free, 0))
         loss = []

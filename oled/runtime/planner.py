@@ -83,16 +83,17 @@ def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.n
         return (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1
     # what an expert adds to the CPU side of a split with loads: its kernel time, slowed beside copies, and its
     # outputs' way back
-    cpu_t = {e: cost.cpu_expert_seconds(inputs.tokens[e]) * cost.cpu_slowdown_with_copies
-             + cost.cpu_transfer_seconds(0, inputs.tokens[e]) - cost.transfer_seconds for e in experts}
-    credit = inputs.credit
-    orders = [sorted(experts, key=lambda e: (-cpu_t[e], e)),
-              sorted(experts, key=lambda e: (-(cpu_t[e] + credit.get(e, 0.0)), e)),
-              sorted(experts, key=lambda e: (-credit.get(e, 0.0), -cpu_t[e], e))]
+    tok = [inputs.tokens[e] for e in experts]
+    cpu_t = np.array([cost.cpu_expert_seconds(t) for t in tok]) * cost.cpu_slowdown_with_copies \
+        + cost.cpu_transfer_seconds(0, np.array(tok)) - cost.transfer_seconds
+    credit = np.array([inputs.credit.get(e, 0.0) for e in experts])
+    ids = np.array(experts)
+    # orders, most worth loading first (np.lexsort: last key first; ties by lower id)
+    orders = [np.lexsort((ids, -cpu_t)), np.lexsort((ids, -(cpu_t + credit))), np.lexsort((ids, -cpu_t, -credit))]
     masks = np.zeros((len(orders) * (n + 1), n), dtype=bool)
     for i, order in enumerate(orders):   # every prefix of the order: its first k experts loaded
-        position = {e: j for j, e in enumerate(order)}
-        rank = np.array([position[e] for e in experts])
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
         masks[i * (n + 1):(i + 1) * (n + 1)] = rank[None, :] < np.arange(n + 1)[:, None]
     return masks
 

@@ -77,7 +77,7 @@ class Residency:
         forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
                                               block_length=len(ids))   # a layer run outside the decoding loop
         event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
-                           resident=set(resident))
+                           resident=set(resident), hits=hits, misses=misses)
         if predicted is not None and (nxt := self.next_layer(layer)) is not None:
             p_experts, p_counts = np.unique(predicted, return_counts=True)
             event.predicted = dict(zip(p_experts.tolist(), p_counts.tolist()))
