@@ -303,3 +303,26 @@ def test_calibration_from_a_trace(tiny_trace, tmp_path):
     bad["masked"] = [0.5]
     with pytest.raises(ValueError, match="confidence bins"):
         ReuseCalibration.load(bad)
+
+
+# ------------------------------------------------------------------------------------------- predictor report
+def test_predictor_report_and_cli(tiny_trace, tmp_path, capsys):
+    from oled.cli import main
+    from oled.trace.predictor import GROUPS, POLICIES, format_predictor_report, predictor_report
+
+    costs = balanced_costs(tiny_trace.header["model"]["expert_bytes"])
+    rep = predictor_report(tiny_trace, ("0.4",), costs)
+    r = rep["ranking"]
+    assert r["pairs"] > 10_000 and 0.5 < r["auc"] <= 1.0 and set(r["groups"]) == set(GROUPS)
+    assert r["groups"]["not routed"]["used_next"] < r["groups"]["any masked"]["used_next"]
+    cells = {name: rep["retention"][f"{name}@0.4"] for name in POLICIES}
+    assert all(0 < c["held_of_needed"] <= 1 and c["host_us_per_iteration"] > 0 for c in cells.values())
+    assert cells["belady"]["held_of_needed"] >= cells["lru"]["held_of_needed"]     # the load-optimal retention
+    assert "AUC" in format_predictor_report(rep)
+    cost_file, cal_file = tmp_path / "costs.json", tmp_path / "cal.json"
+    cost_file.write_text(costs.to_json())
+    assert main(["trace", "--report", str(TINY_TRACE), "--predictor", "--budgets", "0.25", "--cost-model",
+                 str(cost_file), "--calibrate-reuse", str(cal_file)]) == 0
+    out = capsys.readouterr().out
+    assert "Ranking next-iteration use" in out and "0.25: oled" in out
+    assert ReuseCalibration.load(cal_file) == calibrate([tiny_trace])
