@@ -48,9 +48,11 @@ class LRUPolicy(Policy):
         last = self.last_use[layer]
         return lambda e: (last.get(e, -1), e)
 
-    def eviction_order(self, layer: int, candidates) -> EvictionOrder:
+    def eviction_order(self, layer: int, resident, extra=()) -> EvictionOrder:
+        """The layer's residents and `extra` (this layer's loads), least recently used first; built only if a slot
+        must be freed."""
         key = self.eviction_key(layer)
-        return EvictionOrder(lambda: sorted(candidates, key=key))
+        return EvictionOrder(lambda: sorted(set(resident).union(extra), key=key))
 
     def split(self, event: LayerEvent) -> tuple[list[int], list[int]]:
         """(load, cpu) of the layer's misses."""
@@ -63,4 +65,4 @@ class LRUPolicy(Policy):
         self.touch(layer)
         load, cpu = self.split(event)
         self.pending[layer] = event.demand
-        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident | set(load)))
+        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident, load))

@@ -76,17 +76,18 @@ class OledPolicy(LRUPolicy):
         self.predictor.observe(layer, event.ids, event.weights)
         # one order for the planner's eviction losses and the runtime's evictions (misses sent to the CPU are never
         # resident, so listing them too changes nothing)
-        order = self.eviction_order(layer, event.resident | set(event.misses), needed=event.demand)
+        order = self.eviction_order(layer, event.resident, event.misses, needed=event.demand)
         load, cpu = self.split(event, order)
         self.pending[layer] = event.demand
         return LayerDecision(load=load, cpu=cpu, evict=order)
 
     # ------------------------------------------------------------------------------------------------ retention
-    def eviction_order(self, layer, candidates, needed=()):
+    def eviction_order(self, layer, resident, extra=(), needed=()):
         if self.retention == "lru":
-            return super().eviction_order(layer, candidates)
+            return super().eviction_order(layer, resident, extra)
         score, last = self.predictor.layer_scores(layer), self.last_use[layer]
-        return EvictionOrder(lambda: sorted(candidates, key=lambda e: (e in needed, score[e], last.get(e, -1), e)))
+        return EvictionOrder(lambda: sorted(set(resident).union(extra),
+                                            key=lambda e: (e in needed, score[e], last.get(e, -1), e)))
 
     # ------------------------------------------------------------------------------------------------ misses
     def split(self, event, order=()):

@@ -92,6 +92,7 @@ class ReusePredictor:
         self.score = np.zeros((len(self.layers), num_experts))
         self.mask_routing = np.zeros((len(self.layers), num_experts))   # the block's first-iteration mask pairs
         self.forward: ForwardInfo | None = None
+        self._block_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))   # no forward yet: no block rows
         self.routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}      # layer -> (ids, weights) of this forward
         self.block_p = None     # per block position: P(reuse) of its pairs now, from the last iteration's states
 
@@ -102,13 +103,15 @@ class ReusePredictor:
 
     def on_forward(self, info: ForwardInfo) -> None:
         self.forward = info
+        self._block_rows = info.block_rows()        # asked by every layer of the forward
         self.routing.clear()
 
     def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
         self.routing[layer] = (ids, weights)
 
     def row_positions(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.forward.block_rows()
+        """(rows, block positions) of the current forward's rows that belong to the block being decoded."""
+        return self._block_rows
 
     def current_p(self, rows: np.ndarray, positions: np.ndarray, n_rows: int) -> np.ndarray:
         """P(reuse next iteration) of each row of the current forward, from what is known before it ends: positions
@@ -213,12 +216,17 @@ def _forward_rows(trace, f: int) -> dict[int, int]:
     return dict(zip(positions.tolist(), rows.tolist()))
 
 
-def _iteration_pairs(trace):
-    """(forward t, forward t+1, the event after t) for consecutive iteration forwards of one request, each forward
-    as its rows by block position and its per-layer routing (ids [R, k]) in layer order."""
+def _runs_by_forward(trace) -> dict[int, list[int]]:
     runs_of: dict[int, list[int]] = {}
     for i, f in enumerate(trace.run_forward.tolist()):
         runs_of.setdefault(f, []).append(i)
+    return runs_of
+
+
+def _iteration_pairs(trace):
+    """(forward t, forward t+1, the event after t) for consecutive iteration forwards of one request, each forward
+    as its rows by block position and its per-layer routing (ids [R, k]) in layer order."""
+    runs_of = _runs_by_forward(trace)
 
     def describe(f):
         return {"rows": _forward_rows(trace, f), "layers": [trace.run_ids(i) for i in runs_of.get(f, [])]}
@@ -239,9 +247,7 @@ def _first_iteration_pairs(trace):
     """Per layer, (mask pairs of block b's first iteration, of block b+1's) as expert sets, same request."""
     firsts = [(int(trace.ev_forward[j]), int(trace.fwd_request[trace.ev_forward[j]]))
               for j in range(len(trace.ev_forward)) if trace.ev_step[j] == 0]
-    runs_of: dict[int, list[int]] = {}
-    for i, f in enumerate(trace.run_forward.tolist()):
-        runs_of.setdefault(f, []).append(i)
+    runs_of = _runs_by_forward(trace)
     for (fa, ra), (fb, rb) in zip(firsts, firsts[1:]):
         if ra != rb:
             continue

@@ -24,6 +24,24 @@ from ..runtime.stats import RunStats
 from .format import BEGIN, END, EVENT, REQUEST, RUN, Trace
 
 
+def future_demand(layers, runs) -> dict[int, list[set[int]]]:
+    """Per MoE layer, the expert sets of its runs [(layer, ids)] in replay order: what a policy that knows the future
+    (belady) is given."""
+    sets: dict[int, list[set[int]]] = {layer: [] for layer in layers}
+    for layer, ids in runs:
+        sets[layer].append(set(ids.reshape(-1).tolist()))
+    return sets
+
+
+def decide_layer(res: Residency, layer: int, ids: np.ndarray, weights: np.ndarray, predicted=None) -> None:
+    """One layer's decisions as the live manager makes them, with no copies and no compute."""
+    step = res.begin_layer(layer, ids, weights, predicted)
+    for _ in res.waves(step):
+        pass
+    res.prefetch(step)
+    res.end_layer(step)
+
+
 class ReplayManager:
     def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None):
         model = trace.header["model"]
@@ -34,15 +52,9 @@ class ReplayManager:
                                    top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs)
         self.residency.place_initial()
         if policy.needs_future:
-            policy.set_future(self.demand_sets())
+            policy.set_future(future_demand(trace.layers, ((int(layer), trace.run_ids(i))
+                                                            for i, layer in enumerate(trace.run_layer))))
         self.prediction = "recorded" if trace.has_predictions else "oracle (next layer's actual routing)"
-
-    def demand_sets(self) -> dict[int, list[set[int]]]:
-        """Per MoE layer, the expert sets of its runs in replay order (what a policy that knows the future sees)."""
-        sets: dict[int, list[set[int]]] = {layer: [] for layer in self.trace.layers}
-        for i, layer in enumerate(self.trace.run_layer.tolist()):
-            sets[layer].append(set(self.trace.run_ids(i).reshape(-1).tolist()))
-        return sets
 
     def _predicted(self, i: int, nxt: int) -> np.ndarray | None:
         t = self.trace
@@ -68,11 +80,7 @@ class ReplayManager:
                 if policy.wants_prediction and (nxt := res.next_layer(layer)) is not None:
                     predicted = self._predicted(arg, nxt)
                     predicted = None if predicted is None else predicted.astype(np.int64)
-                step = res.begin_layer(layer, ids, t.run_weights(arg).copy(), predicted)
-                for _ in res.waves(step):
-                    pass
-                res.prefetch(step)
-                res.end_layer(step)
+                decide_layer(res, layer, ids, t.run_weights(arg).copy(), predicted)
             elif op == BEGIN:
                 forward += 1
                 res.begin_forward(t.forward_info(forward))
@@ -102,20 +110,14 @@ def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, 
                                                       list(r.expert_tokens.values())).reshape(-1, 1))
               for r in records]
     if pol.needs_future:
-        sets: dict[int, list[set[int]]] = {layer: [] for layer in layers}
-        for _, _, layer, ids in routed:
-            sets[layer].append(set(ids.reshape(-1).tolist()))
-        pol.set_future(sets)
+        pol.set_future(future_demand(layers, ((layer, ids) for _, _, layer, ids in routed)))
     forward = None
     for f, kind, layer, ids in routed:
         if f != forward:
             forward = f
             res.begin_forward(ForwardInfo(kind=kind, start=0, tokens=len(ids), block_start=0,
                                           block_length=len(ids)))
-        step = res.begin_layer(layer, ids, np.ones(ids.shape, np.float32))
-        for _ in res.waves(step):
-            pass
-        res.end_layer(step)
+        decide_layer(res, layer, ids, np.ones(ids.shape, np.float32))
     return stats
 
 
