@@ -1,0 +1,292 @@
+"""Triton router and confidence kernels against their torch references on one CUDA GPU (written for the H200).
+
+Per case: median latency of one isolated call (CUDA events around each call, synchronised before each, after a
+warm-up), kernel launches per call (torch.profiler's device events: kernels, with memsets and copies counted apart),
+and for the confidence kernel the effective bandwidth (bytes of logits read once / time) against the HBM peak. The
+results are checked on the GPU first: router ids equal (a row may differ only on an exact tie of biased scores,
+reported as tie_rows) and weights within 1e-6 relative; x0 equal (or tied in the reference's probabilities) and its
+probability within 1e-5 relative, NaN/Inf rows non-finite. One JSON line per case on stdout, and in --out.
+
+    python benchmarks/kernels_bench.py --out kernels.json
+
+Shapes: router at T in (32, 256, 2048) with LLaDA2.0-mini's gate (H 2048, E 256, 8 groups, top-4 groups, top-8,
+bf16 hidden, weight and bias); confidence at B in (32, 256) with V 157,184. Confidence inputs are cycled through
+enough copies to exceed twice the L2, so each call reads its logits from HBM.
+
+Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
+2 no CUDA device or no Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # run from a checkout without installing
+
+PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
+ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
+ROUTER_TOKENS = (32, 256, 2048)
+EXPERTS, HIDDEN = 256, 2048
+CONFIDENCE_ROWS = (32, 256)
+VOCAB = 157_184
+WEIGHT_RTOL, PROB_RTOL = 1e-6, 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks (pure tensor code: run on any device)
+
+
+def compare_routing(want, got, logits, bias) -> dict:
+    """Reference (ids, weights) vs kernel's. A row whose ids differ is excused only as an exact tie: the kernel's
+    experts carry exactly the reference's biased scores, in the same order (torch.topk's tie order is its own)."""
+    ref_ids, ref_w = want
+    ids, w = got
+    differ = (ids != ref_ids).any(dim=-1)
+    choice = torch.sigmoid(logits.float()) + (0.0 if bias is None else bias.float())
+    tie = differ & (choice.gather(1, ids) == choice.gather(1, ref_ids)).all(dim=-1)
+    same = ~differ
+    rel = ((w - ref_w).abs() / ref_w.abs().clamp_min(1e-30))[same]
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    mismatched = int((differ & ~tie).sum())
+    return {"rows": int(ids.shape[0]), "mismatched_rows": mismatched, "tie_rows": int(tie.sum()),
+            "max_weight_rel_err": max_rel, "ok": mismatched == 0 and max_rel <= WEIGHT_RTOL}
+
+
+def compare_confidence(want, got, logits) -> dict:
+    """Reference (x0, p) vs kernel's. A differing x0 is excused only where the reference's probabilities of both
+    indices are equal (the kernel takes the argmax of the logits, the reference of the rounded probabilities)."""
+    ref_x0, ref_p = want
+    x0, p = got
+    differ = x0 != ref_x0
+    if differ.any():
+        probs = torch.softmax(logits[differ], dim=-1)
+        tied = probs.gather(1, x0[differ][:, None]) == probs.gather(1, ref_x0[differ][:, None])
+        excused = int(tied.sum())
+    else:
+        excused = 0
+    finite = torch.isfinite(ref_p)
+    both = finite & torch.isfinite(p)
+    rel = ((p - ref_p).abs() / ref_p.abs().clamp_min(1e-30))[both & ~differ]
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    finiteness_agrees = bool(torch.equal(finite, torch.isfinite(p)))
+    mismatched = int(differ.sum()) - excused
+    return {"rows": int(x0.shape[0]), "mismatched_rows": mismatched, "tie_rows": excused,
+            "max_prob_rel_err": max_rel, "finiteness_agrees": finiteness_agrees,
+            "ok": mismatched == 0 and max_rel <= PROB_RTOL and finiteness_agrees}
+
+
+def with_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The first 6 rows of a copy of logits made non-finite in each way the decoding loop must notice (the
+    reference gives NaN probabilities for all six), plus a 7th with -inf entries beside finite ones (finite)."""
+    x = logits[:7].clone()
+    v = x.shape[1]
+    x[0, v // 2] = math.nan
+    x[1, v - 1] = math.inf
+    x[2, [1, v // 3]] = math.inf
+    x[3] = -math.inf
+    x[4, 0], x[4, v - 1] = math.nan, math.inf
+    x[5, :] = -math.inf
+    x[5, v // 2] = math.nan
+    x[6, ::2] = -math.inf
+    return x
+
+
+def compare_non_finite(want, got) -> dict:
+    """On with_non_finite_rows: x0 as the reference's, non-finite probabilities exactly where the reference has them."""
+    (ref_x0, ref_p), (x0, p) = want, got
+    ok = bool(torch.equal(x0, ref_x0)) and bool(torch.equal(torch.isfinite(p), torch.isfinite(ref_p)))
+    ok = ok and not bool(torch.isfinite(p[:6]).any())
+    return {"rows": int(x0.shape[0]), "ok": ok, "x0": x0.tolist(), "reference_x0": ref_x0.tolist(),
+            "prob_finite": torch.isfinite(p).tolist()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurements (CUDA)
+
+
+def cuda_median_us(fn, inputs, warmup: int, repeats: int) -> float:
+    """Median µs of fn(*inputs[i % len(inputs)]) over `repeats` calls, each timed alone with CUDA events after a
+    synchronise (so a multi-kernel call pays its launch gaps, as it does in an eager decode step)."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = inputs[i % len(inputs)]
+        torch.cuda.synchronize()
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def per_call(kernels: Counter, other: Counter, calls: int) -> dict:
+    """Device events of `calls` calls (kernels by name; memsets and copies by name) -> per-call counts."""
+    def each(n):
+        return n // calls if n % calls == 0 else n / calls
+
+    return {"launches": each(sum(kernels.values())), "memsets_copies": each(sum(other.values())),
+            "kernels": {name: each(n) for name, n in sorted(kernels.items())},
+            "other": {name: each(n) for name, n in sorted(other.items())}}
+
+
+def device_event_kind(event) -> str | None:
+    """'kernel', 'other' (a memset or copy) or None (host-side) for a torch.profiler event: by Kineto's activity
+    type where the event has one, else by device and name."""
+    from torch.autograd import DeviceType
+
+    activity = getattr(event, "activity_type", None)
+    if activity:
+        return {"kernel": "kernel", "gpu_memcpy": "other", "gpu_memset": "other"}.get(activity)
+    if event.device_type != DeviceType.CUDA:
+        return None
+    return "other" if event.name.startswith(("Memcpy", "Memset")) else "kernel"
+
+
+def cuda_launches(fn, args, calls: int = 5) -> dict:
+    """Per-call device activity of fn(*args) (after warm-up), from torch.profiler's CUDA events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(*args)
+            torch.cuda.synchronize()
+        found = {"kernel": Counter(), "other": Counter(), None: Counter()}
+        for event in prof.events():
+            found[device_event_kind(event)][event.name] += 1
+    except Exception as e:          # no CUPTI, a profiler change: the timings still stand
+        return {"launches": None, "error": f"{type(e).__name__}: {e}"}
+    return per_call(found["kernel"], found["other"], calls)
+
+
+def gbps(num_bytes: int, us: float) -> float:
+    return num_bytes / (us * 1e-6) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cases (device-agnostic: main passes the CUDA timer and launch counter)
+
+
+def router_case(tokens, *, device, timer, counter, hidden=HIDDEN, experts=EXPERTS, seed=0) -> dict:
+    from oled.kernels.triton_router import sigmoid_group_route as kernel
+    from oled.models.router import sigmoid_group_route as reference
+
+    g = torch.Generator(device=device).manual_seed(seed + tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
+    w = (torch.randn(experts, hidden, device=device, generator=g) * hidden**-0.5).bfloat16()
+    b = (0.1 * torch.randn(experts, device=device, generator=g)).bfloat16()
+    args = [(x, w, b)]
+    ref = lambda x, w, b: reference(x, w, b, **ROUTER)        # noqa: E731
+    tri = lambda x, w, b: kernel(x, w, b, **ROUTER)           # noqa: E731
+    gemm = lambda x, w, b: x.float() @ w.float().t()           # noqa: E731  (shared by both)
+    check = compare_routing(ref(x, w, b), tri(x, w, b), gemm(x, w, b), b)
+    torch_us, triton_us = timer(ref, args), timer(tri, args)
+    return {"case": "router", "tokens": tokens, "hidden": hidden, "experts": experts, **ROUTER,
+            "torch_us": torch_us, "triton_us": triton_us, "speedup": torch_us / triton_us,
+            "gate_gemm_us": timer(gemm, args), "torch": counter(ref, args[0]), "triton": counter(tri, args[0]),
+            "check": check}
+
+
+def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed=0, peak_gbps=PEAK_GBPS) -> dict:
+    from oled.decoding.rules import predict as reference
+    from oled.kernels.triton_confidence import predict as kernel
+
+    g = torch.Generator(device=device).manual_seed(seed + rows)
+    inputs = [(torch.randn(rows, vocab, device=device, generator=g) * 4, 0.0, None) for _ in range(copies)]
+    logits = inputs[0][0]
+    check = compare_confidence(reference(*inputs[0]), kernel(*inputs[0]), logits)
+    odd = with_non_finite_rows(logits)
+    check["non_finite"] = compare_non_finite(reference(odd, 0.0, None), kernel(odd, 0.0, None))
+    check["ok"] = check["ok"] and check["non_finite"]["ok"]
+    torch_us, triton_us = timer(reference, inputs), timer(kernel, inputs)
+    num_bytes = rows * vocab * 4
+    return {"case": "confidence", "rows": rows, "vocab": vocab, "copies": copies, "bytes": num_bytes,
+            "torch_us": torch_us, "triton_us": triton_us, "speedup": torch_us / triton_us,
+            "torch_gbps": gbps(num_bytes, torch_us), "triton_gbps": gbps(num_bytes, triton_us),
+            "peak_gbps": peak_gbps, "triton_fraction_of_peak": gbps(num_bytes, triton_us) / peak_gbps,
+            "torch": counter(reference, inputs[0]), "triton": counter(kernel, inputs[0]), "check": check}
+
+
+def copies_beyond_l2(num_bytes: int, l2_bytes: int) -> int:
+    """Enough copies of an input that cycling through them never finds the last one still in L2."""
+    return max(1, math.ceil(2 * l2_bytes / num_bytes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="also write the JSON lines to this file")
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median; at least 20)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls first (the first compiles the kernels)")
+    p.add_argument("--peak-gbps", type=float, default=PEAK_GBPS, help="HBM bandwidth to compare against, GB/s")
+    args = p.parse_args(argv)
+    if args.repeats < 20:
+        p.error("--repeats must be at least 20")
+    return args
+
+
+def environment() -> dict:
+    import triton
+
+    from oled.bench.env import git_info
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "git": git_info()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels_bench: needs a CUDA device (torch.cuda.is_available() is False); nothing measured",
+              file=sys.stderr)
+        return 2
+    from oled.kernels import triton_support
+
+    if not triton_support.available():
+        print("kernels_bench: needs Triton (pip install triton)", file=sys.stderr)
+        return 2
+    timer = lambda fn, inputs: cuda_median_us(fn, inputs, args.warmup, args.repeats)     # noqa: E731
+    env = environment()
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    out = open(args.out, "w") if args.out else None
+    failed = []
+    try:
+        cases = [lambda t=t: router_case(t, device="cuda", timer=timer, counter=cuda_launches)
+                 for t in ROUTER_TOKENS]
+        cases += [lambda r=r: confidence_case(r, device="cuda", timer=timer, counter=cuda_launches,
+                                              copies=copies_beyond_l2(r * VOCAB * 4, l2), peak_gbps=args.peak_gbps)
+                  for r in CONFIDENCE_ROWS]
+        for case in cases:
+            record = {"bench": "kernels", **case(), "env": env}
+            line = json.dumps(record)
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
+                out.flush()
+            if not record["check"]["ok"]:
+                failed.append(record)
+    finally:
+        if out:
+            out.close()
+    for r in failed:
+        print(f"kernels_bench: FAILED {r['case']} {r.get('tokens', r.get('rows'))}: {json.dumps(r['check'])}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

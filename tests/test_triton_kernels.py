@@ -1,0 +1,399 @@
+"""Triton kernels (fused LLaDA2 router, greedy confidence) against their torch references in fp32, on the CPU
+through Triton's interpreter; plus an ahead-of-time compile of the same kernels for sm_90 (the H200), which checks
+the compiled-only code (libdevice expf, correctly rounded division, vector loads) without a GPU."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oled.decoding.rules import predict as predict_reference
+from oled.models.router import sigmoid_group_route as route_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_triton_for_the_interpreter():
+    """Triton decides interpreted vs compiled when a function is decorated, its own library (tl.max, tl.sum, ...)
+    included, which is decorated by `import triton`: so TRITON_INTERPRET must be set when Triton is first imported
+    in this process. It is set for that import only (and again by the fixture while the kernels are built), so it
+    never lingers in the environment of other tests or of their subprocesses."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return pytest.importorskip("triton")    # a guard only: the `test` extra installs triton
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+triton = _import_triton_for_the_interpreter()
+
+# The interpreter evaluates both sides of every tl.where in numpy, which warns about the side thrown away
+# (exp(-inf - -inf) in a lane that saw only padding, 1 / 0 in a row the NaN branch answers).
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+
+
+@pytest.fixture(scope="module")
+def k():
+    """The launchers, with their kernels built for the interpreter. Triton stays in interpreter mode for the rest
+    of this process (its library was decorated so); no other test uses it."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.max, InterpretedFunction):
+        pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module; run it in its own process")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    from oled.kernels import confidence_kernel, router_kernel, triton_confidence, triton_router, triton_support
+
+    importlib.reload(router_kernel)        # rebuilt, in case something imported them compiled before
+    importlib.reload(confidence_kernel)
+    assert triton_support.interpreted(router_kernel.sigmoid_group_route_kernel)
+    assert triton_support.interpreted(confidence_kernel.scan_kernel)
+    yield SimpleNamespace(route=triton_router.sigmoid_group_route, route_logits=triton_router.sigmoid_group_route_logits,
+                          confidence=triton_confidence.greedy_confidence, predict=triton_confidence.predict,
+                          router=triton_router, conf=triton_confidence)
+    mp.undo()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# router
+
+# Exact ids need exactly ordered scores. The interpreter's sigmoid uses numpy's exp, which differs from torch's CPU
+# exp in the last ulp for ~1 in 6 inputs, so two biased scores within an ulp could swap; test inputs therefore keep
+# every decision (the k-th/k+1-th group, each adjacent pair of the top k+1 experts) at least this far apart, which
+# any correctly rounded-ish sigmoid orders the same (8 ulps at 1.0). About 1 row in 2,000 is redrawn.
+MIN_GAP = 1e-6
+
+
+def decision_gaps(logits, bias, n_group, topk_group, top_k):
+    """Per row, the smallest gap between two values whose order decides the reference's routing."""
+    choice = torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
+    rows, experts = choice.shape
+    gap = torch.full((rows,), math.inf)
+    if n_group > 1:
+        groups = choice.view(rows, n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+        if topk_group < n_group:
+            g = groups.topk(topk_group + 1, dim=-1).values
+            gap = g[:, -2] - g[:, -1]
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // n_group, dim=1), -math.inf)
+    candidates = min(top_k + 1, int(torch.isfinite(choice[0]).sum()))
+    v = choice.topk(candidates, dim=-1).values
+    if candidates > 1:
+        gap = torch.minimum(gap, (v[:, :-1] - v[:, 1:]).min(dim=-1).values)
+    return gap
+
+
+def routing_case(tokens, experts, n_group, topk_group, top_k, bias_dtype=torch.float32, seed=0, hidden=64,
+                 spread=1.0, dtype=torch.float32):
+    """hidden [T, H] and gate weight [E, H] in `dtype`, expert_bias [E] or None; logits ~ N(0, spread^2) with
+    every routing decision at least MIN_GAP apart (rows that are not get redrawn)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(dtype)
+    bias = None if bias_dtype is None else (0.1 * torch.randn(experts, generator=g)).to(bias_dtype)
+    x = (torch.randn(tokens, hidden, generator=g) * spread).to(dtype)
+    for _ in range(20):
+        close = decision_gaps(x.float() @ weight.float().t(), bias, n_group, topk_group, top_k) < MIN_GAP
+        if not close.any():
+            return x, weight, bias
+        x[close] = (torch.randn(int(close.sum()), hidden, generator=g) * spread).to(dtype)
+    raise AssertionError("could not draw well-separated routing inputs")
+
+
+def assert_same_routing(got, want):
+    ids, weights = got
+    ref_ids, ref_weights = want
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids), f"{int((ids != ref_ids).any(-1).sum())} rows route differently"
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)
+
+
+ROUTER_SHAPES = [
+    # experts, n_group, topk_group, top_k, tokens
+    (256, 8, 4, 8, 1),        # LLaDA2.0-mini/flash, one token
+    (256, 8, 4, 8, 37),       # ragged: not a multiple of the interpreter's rows a program
+    (64, 8, 4, 8, 1),         # the bundled tiny model
+    (64, 8, 4, 8, 19),
+    (256, 1, 1, 8, 33),       # no group limit
+    (8, 2, 1, 2, 1),          # tiny: one group of two kept
+    (8, 2, 1, 2, 50),
+]
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=["no-bias", "fp32", "bf16"])
+@pytest.mark.parametrize("experts,n_group,topk_group,top_k,tokens", ROUTER_SHAPES)
+def test_router_matches_reference(k, experts, n_group, topk_group, top_k, tokens, bias_dtype):
+    x, w, b = routing_case(tokens, experts, n_group, topk_group, top_k, bias_dtype, seed=tokens * experts)
+    kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5)
+    assert_same_routing(k.route(x, w, b, **kw), route_reference(x, w, b, **kw))
+
+
+@pytest.mark.parametrize("top_k,norm,scale,spread", [(8, False, 1.0, 1.0), (1, True, 2.5, 1.0), (8, True, 1.0, 4.0)],
+                         ids=["unnormalised", "top-1", "wide-logits"])
+def test_router_options(k, top_k, norm, scale, spread):
+    """Weights not renormalised, top-1 (never renormalised), and logits wide enough to saturate the sigmoid."""
+    x, w, b = routing_case(29, 64, 8, 4, top_k, seed=top_k, spread=spread)
+    kw = dict(top_k=top_k, n_group=8, topk_group=4, routed_scaling_factor=scale, norm_topk_prob=norm)
+    assert_same_routing(k.route(x, w, b, **kw), route_reference(x, w, b, **kw))
+
+
+def test_router_many_tokens(k):
+    """One moderately sized batch in the LLaDA2 shape, in the model's dtype: bf16 hidden states, weight and bias."""
+    x, w, b = routing_case(2048, 256, 8, 4, 8, torch.bfloat16, seed=7, dtype=torch.bfloat16)
+    kw = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+    assert_same_routing(k.route(x, w, b, **kw), route_reference(x, w, b, **kw))
+
+
+def test_router_from_strided_logits(k):
+    """Logits that are a column slice of a wider matrix (row stride != E) route like their contiguous copy."""
+    x, w, b = routing_case(21, 64, 8, 4, 8, seed=3)
+    wide = torch.cat([x @ w.t(), torch.randn(21, 7)], dim=1)[:, :64]
+    kw = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+    assert wide.stride(0) == 71
+    assert_same_routing(k.route_logits(wide, b, **kw), route_reference(x, w, b, **kw))
+
+
+def test_router_ties_go_to_the_lowest_index(k):
+    """The documented tie rule, on exactly equal scores: lowest expert index first, lowest group kept."""
+    kw = dict(routed_scaling_factor=1.0)
+    flat = torch.zeros(2, 8)                                              # every expert ties
+    ids, weights = k.route_logits(flat, None, top_k=2, n_group=1, topk_group=1, **kw)
+    assert ids.tolist() == [[0, 1], [0, 1]]
+    torch.testing.assert_close(weights, torch.full((2, 2), 0.5), rtol=1e-6, atol=0)
+    twins = torch.tensor([[3.0, 1.0, 2.0, 0.0, 3.0, 1.0, 2.0, 0.0]])     # both groups score the same
+    ids, _ = k.route_logits(twins, None, top_k=2, n_group=2, topk_group=1, **kw)
+    assert ids.tolist() == [[0, 2]]
+    ids, _ = k.route_logits(twins, None, top_k=4, n_group=1, topk_group=1, **kw)
+    assert ids.tolist() == [[0, 4, 2, 6]]
+    # the reference picks some order among ties; the kernel's choice is an equally valid top-k of the same values
+    ref_ids, _ = route_reference(twins, torch.eye(8), None, top_k=4, n_group=1, topk_group=1, **kw)
+    assert torch.equal(twins.gather(1, ids), twins.gather(1, ref_ids))
+
+
+def test_router_empty_batch(k):
+    ids, weights = k.route_logits(torch.zeros(0, 64), None, top_k=8, n_group=8, topk_group=4,
+                                  routed_scaling_factor=1.0)
+    assert ids.shape == (0, 8) and weights.shape == (0, 8)
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,top_k", [(60, 8, 4, 8), (8, 8, 4, 2), (64, 8, 0, 8),
+                                                               (64, 8, 4, 33), (8, 1, 1, 9)])
+def test_router_rejects_impossible_shapes(k, experts, n_group, topk_group, top_k):
+    with pytest.raises(ValueError):
+        k.route_logits(torch.zeros(2, experts), None, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                       routed_scaling_factor=1.0)
+
+
+def test_router_rejects_non_fp32_logits(k):
+    with pytest.raises(TypeError):
+        k.route_logits(torch.zeros(2, 64, dtype=torch.bfloat16), None, top_k=8, n_group=8, topk_group=4,
+                       routed_scaling_factor=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# confidence
+
+
+def exact_confidence(logits, x0):
+    """softmax(logits)[x0] in fp64: the truth both fp32 implementations approximate."""
+    return torch.softmax(logits.double(), dim=-1).gather(1, x0[:, None]).squeeze(1)
+
+
+def assert_same_prediction(got, logits):
+    x0, prob = got
+    ref_x0, ref_prob = predict_reference(logits, 0.0, None)
+    assert x0.dtype == torch.int64 and prob.dtype == torch.float32
+    assert torch.equal(x0, ref_x0)
+    torch.testing.assert_close(prob, ref_prob, rtol=1e-5, atol=0, equal_nan=True)
+    finite = torch.isfinite(ref_prob)
+    truth = exact_confidence(logits[finite], ref_x0[finite])
+    # the kernel's sums are in lanes and tiles, torch's CPU sum is sequential: the kernel is the closer one
+    torch.testing.assert_close(prob[finite].double(), truth, rtol=1e-6, atol=0)
+
+
+CONFIDENCE_SHAPES = [
+    # rows, columns, columns a tile, programs a row (None: the launcher's plan)
+    (1, 1000, None, None),         # one row, one partial tile
+    (1, 1, None, None),            # one column
+    (7, 4999, 256, None),          # many tiles in one program, last one partial
+    (7, 4999, 256, 3),             # rows split in three, partials combined
+    (33, 3001, 512, 100),          # more splits asked than tiles: one tile a program
+    (4, 5000, 1024, 2),
+]
+
+
+@pytest.mark.parametrize("scale,offset", [(3.0, 0.0), (0.01, 0.0), (1.0, 50.0)], ids=["peaked", "flat", "offset"])
+@pytest.mark.parametrize("rows,cols,block,splits", CONFIDENCE_SHAPES)
+def test_confidence_matches_reference(k, rows, cols, block, splits, scale, offset):
+    g = torch.Generator().manual_seed(rows * cols)
+    logits = torch.randn(rows, cols, generator=g) * scale + offset
+    assert_same_prediction(k.confidence(logits, block=block, splits=splits), logits)
+
+
+def test_confidence_moderate_batch(k):
+    """A decoding block of 32 positions over a 40k vocabulary, with the launcher's own tile and split plan."""
+    logits = torch.randn(32, 40_000, generator=torch.Generator().manual_seed(1)) * 4
+    assert_same_prediction(k.confidence(logits), logits)
+    assert_same_prediction(k.confidence(logits, block=1024, splits=5), logits)
+
+
+@pytest.mark.parametrize("block,splits", [(256, 1), (256, 4), (64, 100)])
+def test_confidence_ties_go_to_the_lowest_index(k, block, splits):
+    """Equal maxima in one lane (a tile apart), in different lanes, in different splits, and a constant row."""
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(2))
+    for row, places in enumerate([(5, 5 + 256), (2999, 17), (2000, 900), (1500, 1499, 2900)]):
+        logits[row, list(places)] = 9.0
+    logits[4] = 0.25
+    got = k.confidence(logits, block=block, splits=splits)
+    assert got[0].tolist() == [5, 17, 900, 1499, 0]
+    assert_same_prediction(got, logits)
+
+
+def test_confidence_argmax_of_logits_not_of_rounded_probabilities(k):
+    """The documented difference: logits 1e-8 apart round to the same probability; the reference's argmax of the
+    probabilities then says 0, the kernel's argmax of the logits says 1. The confidence is the same."""
+    logits = torch.tensor([[0.0, 1e-8, -5.0]])
+    ref_x0, ref_prob = predict_reference(logits, 0.0, None)
+    x0, prob = k.confidence(logits)
+    assert ref_x0.item() == 0 and x0.item() == 1
+    torch.testing.assert_close(prob, ref_prob, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("block,splits", [(4096, 1), (128, 3)])
+def test_confidence_non_finite_rows(k, block, splits):
+    """Rows with a NaN or +Inf anywhere (also after the max, in another split), only -Inf, or -Inf beside finite
+    values give what the reference gives: x0 = 0 and a NaN probability, except the last, which is finite."""
+    logits = torch.randn(8, 700, generator=torch.Generator().manual_seed(4))
+    logits[0, 650] = math.nan
+    logits[1, 3] = math.inf
+    logits[2, [10, 600]] = math.inf
+    logits[3] = -math.inf
+    logits[4, 100], logits[4, 500] = math.nan, math.inf
+    logits[5, :] = -math.inf
+    logits[5, 699] = math.nan
+    logits[6, 0], logits[6, 1] = 20.0, math.nan
+    logits[7, ::2] = -math.inf
+    x0, prob = k.confidence(logits, block=block, splits=splits)
+    assert not torch.isfinite(prob[:7]).any() and torch.isfinite(prob[7])
+    assert x0[:7].tolist() == [0] * 7
+    assert_same_prediction((x0, prob), logits)
+
+
+def test_predict_drop_in(k):
+    """predict() has the reference's signature: the kernel at temperature 0, the reference's sampling above."""
+    logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(5))
+    assert_same_prediction(k.predict(logits, 0.0, None), logits)
+    got = k.predict(logits, 0.7, torch.Generator().manual_seed(9))
+    want = predict_reference(logits, 0.7, torch.Generator().manual_seed(9))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_confidence_edges(k):
+    x0, prob = k.confidence(torch.zeros(0, 10))
+    assert x0.shape == (0,) and prob.shape == (0,)
+    with pytest.raises(TypeError):
+        k.confidence(torch.zeros(2, 10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        k.confidence(torch.zeros(2, 0))
+    with pytest.raises(ValueError):
+        k.confidence(torch.zeros(2, 10), block=100)
+    transposed = torch.randn(50, 3).t()                                  # column stride != 1: copied first
+    assert_same_prediction(k.confidence(transposed), transposed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# availability and the compiled kernels
+
+
+def test_available_under_the_interpreter(k):
+    assert k.router.available() and k.conf.available()
+
+
+def test_oled_imports_without_triton():
+    """Triton is optional: with it unimportable, oled and the launcher modules import and report unavailable."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None          # makes `import triton` raise ImportError
+        import oled
+        from oled.kernels import triton_confidence, triton_router
+        assert not triton_router.available() and not triton_confidence.available()
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)
+
+
+COMPILE_SM90 = textwrap.dedent("""
+    import re, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from oled.kernels.confidence_kernel import combine_kernel, scan_kernel
+    from oled.kernels.router_kernel import sigmoid_group_route_kernel
+
+    def build(fn, signature, constexprs, num_warps, aligned=()):
+        # `aligned`: the arguments Triton's launcher would mark divisible by 16 for the shapes that matter
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        sig = dict(signature, **{c: "constexpr" for c in constexprs})
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+
+    router = build(sigmoid_group_route_kernel,
+        {"logits_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "num_tokens": "i32",
+         "logits_row_stride": "i32", "routed_scaling_factor": "fp32"},
+        {"N_GROUP": 8, "GROUP_SIZE": 32, "TOPK_GROUP": 4, "TOP_K": 8, "BLOCK_T": 1, "BLOCK_G": 8, "BLOCK_S": 32,
+         "BLOCK_K": 8, "HAS_BIAS": True, "NORMALISE": True, "PRECISE": True}, 1)
+    assert "div.rn.f32" in router["ptx"] and "div.full" not in router["ptx"], "sigmoid must divide like torch"
+    assert router["cubin"]
+    parts = {"logits_ptr": "*fp32", "x0_ptr": "*i64", "prob_ptr": "*fp32", "part_max_ptr": "*fp32",
+             "part_sum_ptr": "*fp32", "part_at_ptr": "*i32", "part_bad_ptr": "*i32"}
+    for split in (False, True):
+        scan = build(scan_kernel, dict(parts, num_cols="i32", row_stride="i32"),
+                     {"TILES": 5, "BLOCK": 2048, "SPLIT": split}, 8, aligned=(*parts, "num_cols", "row_stride"))
+        loads = set(re.findall(r"ld\\.global[.\\w]*", scan["ptx"]))
+        assert loads == {"ld.global.v4.b32"}, loads                     # 16-byte loads of the logits
+    outputs = {name: kind for name, kind in parts.items() if name != "logits_ptr"}
+    combine = build(combine_kernel, dict(outputs, splits="i32"), {"BLOCK_SPLITS": 16}, 1)
+    assert combine["cubin"]
+""")
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The compiled path (never run here): the kernels lower to sm_90 PTX and cubin with Triton's bundled ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    try:
+        get_ptxas_version(90)
+    except Exception as e:                                            # a Triton wheel without the CUDA tools
+        pytest.skip(f"no usable ptxas: {e}")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, TRITON_CACHE_DIR=str(tmp_path))       # keep compiled kernels out of ~/.triton
+    subprocess.run([sys.executable, "-c", COMPILE_SM90], check=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_bench_cases_run_under_the_interpreter(k):
+    """benchmarks/kernels_bench.py's cases end to end on small shapes, with stand-ins for the CUDA timer and the
+    profiler's launch count: the wiring, the checks and the record all work before the H200 sees them."""
+    from tests.test_kernels_bench import load_bench
+
+    bench = load_bench()
+    timer = lambda fn, inputs: [fn(*a) for a in inputs] and 10.0                       # noqa: E731
+    counter = lambda fn, args: bench.per_call(Counter({"kernel": 2}), Counter(), calls=2)   # noqa: E731
+    router = bench.router_case(9, device="cpu", timer=timer, counter=counter, hidden=32, experts=64)
+    assert router["check"]["ok"] and router["check"]["rows"] == 9 and router["speedup"] == 1.0
+    conf = bench.confidence_case(9, device="cpu", timer=timer, counter=counter, vocab=3000, copies=2)
+    assert conf["check"]["ok"] and conf["check"]["non_finite"]["ok"]
+    assert conf["bytes"] == 9 * 3000 * 4 and conf["triton_gbps"] == pytest.approx(conf["bytes"] / 10e-6 / 1e9)
+    assert conf["triton"]["launches"] == 1
+    json.dumps([router, conf])                                                           # one JSON line each
