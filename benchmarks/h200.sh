@@ -8,6 +8,9 @@
 #   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
+#   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
+#          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
+# The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
 # finds segmented graphs of offloaded forwards changing tokens, with --no-offload-graphs. GRAPHS=... overrides.
@@ -66,5 +69,13 @@ if has tiny; then
     --out $R/tiny-grid > $R/tiny-grid.log 2>&1; echo "tiny grid rc=$?"; tail -3 $R/tiny-grid.log
   python3 -m oled.cli bench --render $R/tiny-grid >> $R/tiny-grid.log 2>&1
 fi
-for d in grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
+if has routing; then
+  start=$(date +%s)
+  timeout ${ROUTING_S:-540} python3 -m oled.cli bench --routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
+    --random-weights llada2-mini --policies ${GRID_POLICIES:-$ALL_POLICIES} --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
+    --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
+    --out $R/routing-grid > $R/routing-grid.log 2>&1
+  echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/routing-grid.log
+fi
+for d in grid routing-grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack

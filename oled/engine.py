@@ -135,7 +135,15 @@ class Engine:
                        else None)
         for block in self.model.moe_blocks():
             block.experts = self.manager
-            self.manager.predictors[block.layer_idx] = block.route
+            self.manager.predictors[block.layer_idx] = block.predicted_routing
+
+    def set_routing_source(self, source) -> None:
+        """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router). Captured graphs
+        are dropped: they read the router's outputs."""
+        for block in self.model.moe_blocks():
+            block.routing_source = source
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def _check_fits(self) -> None:
         if self.device.type != "cuda":

@@ -244,7 +244,7 @@ def test_prefetch_predicts_with_the_next_layers_router(preset):
     blocks = {b.layer_idx: b for b in eng.model.moe_blocks()}
     assert set(m.predictors) == set(layers)
     for layer in layers:
-        assert m.predictors[layer] == blocks[layer].route          # bound method of that layer's MoEBlock
+        assert m.predictors[layer] == blocks[layer].predicted_routing   # bound method of that layer's MoEBlock
 
     log = []                                                     # ("run", layer, x) and ("prefetch", layer, ...)
     run, decide = m.run, pol.decide

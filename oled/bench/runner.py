@@ -9,6 +9,11 @@ profiled pass (section timing) gives the per-iteration time breakdown of the cho
 
 `--replay TRACE` runs the same grid on a recorded trace instead: hit rates, loads, CPU pairs and H2D bytes from a
 CPU simulation of the manager's bookkeeping (no weights, no timing).
+
+`--routing TRACE` runs the live grid on the model (e.g. random weights with a published model's shapes) with the
+trace's routing and commits in place of its router's and its decoder's (oled/trace/source.py): the trace's requests
+are the workload and its decoding settings are used, so every policy sees the recorded learned routing while the
+experts are computed, copied and served at the model's real sizes.
 """
 from __future__ import annotations
 
@@ -114,6 +119,7 @@ class BenchConfig:
     profile_all: bool = False            # profiled pass for every run (sections in every line)
     profile: bool = True                 # False: no profiled pass at all
     replay: str | None = None            # a trace file: replay instead of running the model
+    routing: str | None = None           # a trace file: run the model with the trace's routing and commits
     cost_model: str | None = None        # replay: cost model JSON for cooperative policies (default: the trace's)
     progress: bool = True
     render: bool = True                  # write report.md and plots at the end
@@ -255,7 +261,11 @@ class Bench:
         self._check_budgets(len(engine.config.moe_layers), engine.config.num_experts, engine.store.expert_bytes)
         self.env = environment(engine.device)
         model_info = self._model_info(engine)
-        workloads = [wl_mod.load(name, engine.tokenizer, cfg.prompts) for name in cfg.workloads]
+        if cfg.routing:
+            workloads = [self._routing_workload(engine, model_info)]
+            cfg = self.cfg
+        else:
+            workloads = [wl_mod.load(name, engine.tokenizer, cfg.prompts) for name in cfg.workloads]
         prompt_ids = {w.name: self._fit_prompts(engine, w) for w in workloads}
         combos = self._combos()
         chosen = self._chosen_breakdown(engine, combos)
@@ -287,6 +297,33 @@ class Bench:
                 self._bar = None
             if engine.manager is not None:
                 engine.manager.close()
+
+    def _routing_workload(self, engine, model_info) -> "wl_mod.Workload":
+        """--routing: the trace's requests as the workload, its decoding settings, its routing in the MoE layers."""
+        from dataclasses import replace
+
+        from ..trace import Trace
+        from ..trace.source import TraceSource
+
+        trace = Trace.load(self.cfg.routing)
+        self.source = TraceSource(trace, engine.config, engine.device)
+        engine.set_routing_source(self.source)
+        self.cfg = replace(self.cfg, decode=self.source.decode_params())
+        h = trace.header
+        n = min(self.source.num_requests, self.cfg.prompts or self.source.num_requests)
+        ids = h.get("requests") or [f"request-{r}" for r in range(n)]
+        prompts = [wl_mod.Prompt(str(ids[r]), token_ids=self.source.prompt_ids(r)) for r in range(n)]
+        recorded = h["model"]
+        model_info["routing"] = {"trace": str(self.cfg.routing), "model": recorded.get("name"),
+                                 "workload": (h.get("workload") or {}).get("name"), "requests": n,
+                                 "recorded_on": h.get("env", {}).get("label"), "date": h.get("date")}
+        model_info["note"] = (f"routing and commits replayed from {self.cfg.routing} (learned routing of "
+                              f"{recorded.get('name')}); "
+                              + ("random expert weights" if engine.cfg.random_weights else "the model's weights"))
+        self._say(f"routing from {self.cfg.routing}: {trace.describe()}; decoding as recorded: "
+                  f"{_decode_dict(self.cfg.decode, engine)}")
+        return wl_mod.Workload(f"routing:{Path(self.cfg.routing).stem}", str(self.cfg.routing), prompts,
+                               {"trace": str(self.cfg.routing), "recorded": h.get("workload")})
 
     def _smallest_budget_guess(self) -> str:
         """The engine starts with `lru` at one expert slot per layer (cheapest to allocate, always valid); each run
@@ -337,6 +374,9 @@ class Bench:
         for p in workload.prompts:
             ids = p.ids(engine.tokenizer)
             if len(ids) > limit:
+                if self.cfg.routing:
+                    raise ValueError(f"the trace's prompt {p.id} ({len(ids)} tokens) does not fit this model's "
+                                     f"context with the recorded generation length")
                 ids, truncated = ids[-limit:], truncated + 1
             out.append(ids)
         if truncated:
@@ -344,12 +384,17 @@ class Bench:
                       f"({limit} tokens with --gen-length {params.gen_length}) keep their last {limit} tokens")
         return out, truncated
 
-    def _generate(self, engine, ids, manager=None, timer=None):
+    def _generate(self, engine, request: int, ids, manager=None, timer=None):
+        """Prompt number `request` of the workload (its ids); under --routing, the trace's request of that number."""
         torch.manual_seed(self.cfg.seed)
         params = self.cfg.decode
         params.validate()
+        commits = None
+        if self.cfg.routing:
+            commits = self.source
+            commits.begin_request(request)
         return generate(engine.model, manager or engine.manager, ids, params, timer=timer,
-                        graphs=engine.graphs if manager is None else None)
+                        graphs=engine.graphs if manager is None else None, commits=commits)
 
     def _reference(self, engine, workload, prompts):
         """Reference tokens (full residency) and expert popularity for fiddler, from one untimed pass."""
@@ -363,8 +408,8 @@ class Bench:
                 self._say(f"reference pass with {policy} at {budget} not possible: {e}")
                 continue
             tokens = []
-            for ids in prompts:
-                tokens.append(self._generate(engine, ids).token_ids)
+            for i, ids in enumerate(prompts):
+                tokens.append(self._generate(engine, i, ids).token_ids)
                 self._tick(1, f"{workload.name} reference ({policy})")
             popularity = None
             if need_pop:
@@ -444,15 +489,15 @@ class Bench:
         run_id = f"{workload.name}|{spec.label}|{budget}"
         desc = f"{workload.name} {spec.label}@{budget}"
         try:
-            for ids in prompts[: cfg.warmup]:
-                self._generate(engine, ids)
+            for i, ids in enumerate(prompts[: cfg.warmup]):
+                self._generate(engine, i, ids)
                 self._tick(1, f"{desc} warm-up")
             per_repeat, last = [], None
             for r in range(cfg.repeats):
                 engine.manager.stats.reset()
                 results = []
-                for ids in prompts:
-                    results.append(self._generate(engine, ids))
+                for i, ids in enumerate(prompts):
+                    results.append(self._generate(engine, i, ids))
                     self._tick(1, f"{desc} repeat {r + 1}/{cfg.repeats}")
                 per_repeat.append(repeat_metrics(results, engine.manager.stats.summary(), reference))
                 last = results
@@ -505,8 +550,8 @@ class Bench:
         copied = lambda: sum(r.bytes_h2d for r in engine.manager.stats.records)   # noqa: E731
         bytes_before = copied()
         try:
-            for ids in prompts:
-                self._generate(engine, ids, manager=probe, timer=timer)
+            for i, ids in enumerate(prompts):
+                self._generate(engine, i, ids, manager=probe, timer=timer)
                 self._tick(1, f"{desc} profiled")
         finally:
             engine.manager.timer = None

@@ -4,6 +4,7 @@
   oled bench --model DIR --policies full,lru,prefetch,fiddler,tide:tau=4 --budgets 1.0,0.6,0.4,0.25 \\
              --workload code,math,chat,long --repeats 3 --out results/h200
   oled bench --replay run.trace --policies lru,lfu,prefetch,tide --budgets 0.5,0.25 --out /tmp/replay
+  oled bench --routing proxy.trace --random-weights llada2-mini --policies full,lru,oled --out /tmp/routed
   oled bench --render results/h200          (re-render the report and plots from results.jsonl)
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ def add_parser(sub) -> None:
     src.add_argument("--random-weights", metavar="PRESET", help="random weights with a preset's shapes")
     src.add_argument("--replay", metavar="TRACE", help="replay a trace from `oled trace` through the policies "
                                                        "(CPU simulation: hit rates, loads, CPU pairs; no timing)")
+    src.add_argument("--routing", metavar="TRACE",
+                     help="run the model (e.g. --random-weights llada2-mini) with this trace's routing and commits "
+                          "in place of its router's and decoder's: learned routing at the model's real expert sizes "
+                          "(the trace's requests and decoding settings are used; --prompts N takes the first N)")
     src.add_argument("--render", metavar="DIR", help="only re-render DIR/report.md and plots from DIR/results.jsonl")
     g = p.add_argument_group("grid")
     g.add_argument("--policies", default="full,lru",
@@ -68,6 +73,8 @@ def run(args) -> int:
         return 0
     if args.model and args.random_weights:
         raise ValueError("give --model or --random-weights, not both")
+    if args.routing and args.replay:
+        raise ValueError("give --routing (the model runs with the trace's routing) or --replay (no model), not both")
     budgets = parse_list(args.budgets)
     for spec in budgets:            # a typo is refused before any run, not skipped after the model is loaded
         parse_spec(spec)
@@ -78,7 +85,7 @@ def run(args) -> int:
                       cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
-                      profile_all=args.profile_all, profile=args.profile, replay=args.replay,
+                      profile_all=args.profile_all, profile=args.profile, replay=args.replay, routing=args.routing,
                       cost_model=args.cost_model, progress=args.progress, bound=args.bound)
     rows = run_bench(cfg)
     if not rows:

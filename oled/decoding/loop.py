@@ -60,10 +60,11 @@ def _sync(device: torch.device) -> None:
 
 
 def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None,
-             cancelled=None, graphs=None) -> GenerationResult:
+             cancelled=None, graphs=None, commits=None) -> GenerationResult:
     """Decode one request. on_block(new_token_ids, finished) is called as each block commits (streaming);
     cancelled() -> True stops at the next iteration (client gone). graphs: a ForwardGraphs that replays forwards
-    whose shapes repeat (given for static expert placements on CUDA)."""
+    whose shapes repeat (given for static expert placements on CUDA). commits: a commit source (a TraceSource, its
+    request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs."""
     config: ModelConfig = model.config
     device = model.embed.weight.device
     B = params.block_length or config.block_length
@@ -96,8 +97,10 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
 
     def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
         ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
-        manager.begin_forward(ForwardInfo(kind=kind, start=start, tokens=len(tokens), block_start=block_start,
-                                          block_length=block_len))
+        info = ForwardInfo(kind=kind, start=start, tokens=len(tokens), block_start=block_start, block_length=block_len)
+        if commits is not None:
+            commits.begin_forward(info)
+        manager.begin_forward(info)
         out = run(ids, start, kv, kv_end, rows, **kwargs)
         if kind == "iteration":
             result.nfe += 1
@@ -139,7 +142,10 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
                 raise NonFiniteError(f"the model produced a non-finite prediction at position "
                                      f"{ws + int(np.flatnonzero(bad)[0])} (block {block.index}, iteration {step}): "
                                      f"its weights or activations hold NaN or Inf")
-            commit = rule.select(conf_h, schedule[step])
+            if commits is None:
+                commit = rule.select(conf_h, schedule[step])
+            else:
+                commit, x0_h, conf_h = commits.iteration(block.index, step, ws, bs, masked)
             canvas[ws:be][commit] = x0_h[commit]
             result.committed += int(commit.sum())
             inside = slice(bs - ws, None)                 # the event describes the block's own positions
@@ -147,7 +153,8 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
                              np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
             done = not (canvas[bs:be] == mask_id).any()
             manager.on_iteration(IterationEvent(block=block.index, step=step, iteration=iteration, state=state,
-                                                confidence=conf_h[inside], block_done=done))
+                                                confidence=conf_h[inside], block_done=done,
+                                                tokens=canvas[bs:be].copy()))
             iteration += 1
             step += 1
         if result.finish_reason == "cancelled":
@@ -173,4 +180,6 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
             break
     _sync(device)
     result.decode_s = time.perf_counter() - t1
+    if commits is not None and result.finish_reason != "cancelled":
+        commits.end_request(result.token_ids)
     return result

@@ -21,12 +21,29 @@ class MoEBlock(nn.Module):
                        if config.num_shared_experts else None)
         # Set by the engine: an object with run(layer_idx, x, ids, weights) -> [T, H] (the ExpertManager).
         self.experts = None
+        # Set for a trace replay (oled/trace/source.py): routing(layer_idx, ids, weights) -> the recorded routing,
+        # which replaces the router's; predicted(layer_idx, x) -> the recorded prediction of this layer's routing.
+        self.routing_source = None
 
     def route(self, x: torch.Tensor):
+        """The router itself."""
         return route(self.config, x, self.router_weight, self.expert_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routing(self, x: torch.Tensor):
+        """The routing the layer uses: the router's, or the replayed trace's (the router still runs: its cost)."""
         ids, weights = self.route(x)
+        if self.routing_source is not None:
+            ids, weights = self.routing_source.routing(self.layer_idx, ids, weights)
+        return ids, weights
+
+    def predicted_routing(self, x: torch.Tensor):
+        """This layer's routing predicted from the previous layer's input x (what prefetching policies see)."""
+        if self.routing_source is not None:
+            return self.routing_source.predicted(self.layer_idx, x)
+        return self.route(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.routing(x)
         out = self.experts.run(self.layer_idx, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)

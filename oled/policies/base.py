@@ -111,6 +111,7 @@ class IterationEvent:
     state: np.ndarray                # per block position: 0 decoded earlier, 1 still masked, 2 committed now
     confidence: np.ndarray           # per block position: confidence of the prediction (-inf where not masked)
     block_done: bool                 # the block has no mask left
+    tokens: np.ndarray | None = None  # per block position: its token after the iteration (the mask id where masked)
 
     DECODED, MASKED, COMMITTED = 0, 1, 2
 

@@ -24,6 +24,8 @@ def trace_header(engine, params, workload: dict | None = None) -> dict:
     return {
         "model": {"name": engine.model_name, "model_type": config.model_type, "num_layers": config.num_layers,
                   "moe_layers": list(config.moe_layers), "num_experts": config.num_experts, "top_k": config.top_k,
+                  "vocab_size": config.vocab_size, "mask_token_id": config.mask_token_id,
+                  "eos_token_id": config.eos_token_id, "block_causal": config.block_causal,
                   "expert_bytes": engine.store.expert_bytes, "random_weights": engine.cfg.random_weights,
                   "seed": engine.cfg.seed if engine.cfg.random_weights else None,
                   "dtype": str(engine.dtype).replace("torch.", "")},

@@ -6,7 +6,8 @@ One compressed NumPy archive (np.savez_compressed, any file name). `ops` is the 
   (RUN, i)        run(layer, x, ids, weights) of run i: layer run_layer[i], rows run_offset[i]:run_offset[i+1] of
                   ids / weights (top-k expert ids and weights per token of the forward, token-major)
   (END, 0)        end_forward()
-  (EVENT, j)      on_iteration(event j): block, step, iteration, done, per block position state and confidence
+  (EVENT, j)      on_iteration(event j): block, step, iteration, done, per block position state, confidence and
+                  token after the iteration (the committed token where committed)
 Per forward: kind, start position, token count and the block's start (rows map to block positions: block position
 = start + row - block start).
 Per run, optionally, the predicted routing of the next MoE layer (that layer's router applied to this layer's
@@ -59,6 +60,7 @@ class Trace:
     req_output_ids: np.ndarray
     fwd_block_start: np.ndarray = field(default=None)   # [F] int32: canvas position of the block being decoded
     fwd_request: np.ndarray = field(default=None)   # [F] int32, derived
+    ev_token: np.ndarray = field(default=None)      # [sum B] int32: absent from traces recorded before it
 
     def __post_init__(self):
         if self.fwd_block_start is None:   # traces before it was recorded: blocks at multiples of the block length
@@ -126,7 +128,8 @@ class Trace:
         a, b = self.ev_offset[j], self.ev_offset[j + 1]
         return IterationEvent(block=int(self.ev_block[j]), step=int(self.ev_step[j]),
                               iteration=int(self.ev_iteration[j]), state=self.ev_state[a:b].copy(),
-                              confidence=self.ev_conf[a:b].astype(np.float64), block_done=bool(self.ev_done[j]))
+                              confidence=self.ev_conf[a:b].astype(np.float64), block_done=bool(self.ev_done[j]),
+                              tokens=None if self.ev_token is None else self.ev_token[a:b].astype(np.int64))
 
     def prompt_ids(self, r: int) -> np.ndarray:
         return self.req_prompt_ids[self.req_prompt_offset[r]: self.req_prompt_offset[r + 1]]
@@ -162,7 +165,7 @@ class Trace:
         path = Path(path)
         if path.parent and not path.parent.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {name: getattr(self, name) for name in ARRAYS + OPTIONAL_ARRAYS}
+        arrays = {name: getattr(self, name) for name in ARRAYS + OPTIONAL_ARRAYS if getattr(self, name) is not None}
         header = json.dumps(self.header, default=_json_default).encode()
         with open(path, "wb") as f:
             np.savez_compressed(f, header=np.frombuffer(header, dtype=np.uint8), **arrays)
@@ -192,7 +195,7 @@ class Trace:
 ARRAYS = ("ops", "fwd_kind", "fwd_start", "fwd_tokens", "run_layer", "run_forward", "run_offset", "ids", "weights",
           "pred_offset", "pred_ids", "ev_forward", "ev_block", "ev_step", "ev_iteration", "ev_done", "ev_offset",
           "ev_state", "ev_conf", "req_prompt_offset", "req_prompt_ids", "req_output_offset", "req_output_ids")
-OPTIONAL_ARRAYS = ("fwd_block_start",)   # absent from traces recorded before it: derived on load
+OPTIONAL_ARRAYS = ("fwd_block_start", "ev_token")   # absent from older traces: the first derived on load
 
 
 def _json_default(o):

@@ -73,7 +73,8 @@ class TraceRecorder:
         self.ops.append((EVENT, len(self.events)))
         self.events.append((self._forward, event.block, event.step, event.iteration, event.block_done,
                             np.asarray(event.state, dtype=np.int8).copy(),
-                            np.asarray(event.confidence, dtype=np.float32).copy()))
+                            np.asarray(event.confidence, dtype=np.float32).copy(),
+                            np.asarray(event.tokens, dtype=np.int32).copy()))
         self.manager.on_iteration(event)
 
     def on_request_start(self) -> None:
@@ -148,6 +149,7 @@ class TraceRecorder:
             ev_offset=offsets([e[5] for e in ev]),
             ev_state=np.concatenate([e[5] for e in ev]) if ev else np.zeros(0, np.int8),
             ev_conf=np.concatenate([e[6] for e in ev]) if ev else np.zeros(0, np.float32),
+            ev_token=np.concatenate([e[7] for e in ev]) if ev else np.zeros(0, np.int32),
             req_prompt_offset=offsets([r["prompt_ids"] for r in self.requests]),
             req_prompt_ids=np.asarray([t for r in self.requests for t in r["prompt_ids"]], dtype=np.int32),
             req_output_offset=offsets([r["output_ids"] for r in self.requests]),

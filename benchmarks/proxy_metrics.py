@@ -1,0 +1,121 @@
+"""The routing proxy's metrics (BENCHMARKS.md section 11), from its training log and its traces.
+
+    python benchmarks/proxy_metrics.py --train-log DIR/train_log.json --trace code=T1 --trace math=T2 \\
+        --block 8=T8 --block 16=T16 --block 24=T24 --block 32=T32 --out metrics.json
+
+Per workload trace (block 32): tokens committed per denoising forward, unique experts per MoE layer per iteration.
+Per block length: unique experts per MoE layer per iteration over the block's own rows (a block's first forward
+also writes the previous block's K/V; those rows are left out, as a per-block figure should), beside the figures
+published for LLaDA2.0-mini. Expert load balance over every iteration of every trace: per layer, the share of
+experts that receive any token, the busiest expert's load over the mean, and the coefficient of variation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from oled.trace import Trace
+
+PUBLISHED_UNIQUE = {8: 32, 16: 49, 24: 61, 32: 70}   # LLaDA2.0-mini, unique experts per layer per iteration (approx.)
+
+
+def block_unique_experts(trace: Trace) -> dict:
+    """|experts used by the block's own rows| per MoE layer per denoising iteration."""
+    counts = []
+    iteration = trace.fwd_kind == 1
+    for i in range(len(trace.run_layer)):
+        f = int(trace.run_forward[i])
+        if not iteration[f]:
+            continue
+        ids = trace.run_ids(i)
+        positions = trace.fwd_start[f] + np.arange(len(ids))
+        own = ids[positions >= trace.fwd_block_start[f]]
+        counts.append(len(np.unique(own)))
+    c = np.asarray(counts)
+    return {"mean": float(c.mean()), "p10": float(np.percentile(c, 10)), "p50": float(np.percentile(c, 50)),
+            "p90": float(np.percentile(c, 90)), "samples": int(c.size)}
+
+
+def tokens_per_forward(trace: Trace) -> float:
+    iterations = int((trace.fwd_kind == 1).sum())
+    return float((trace.ev_state == 2).sum()) / max(iterations, 1)
+
+
+def load_balance(traces: list[Trace]) -> dict:
+    """Tokens routed to each expert over every denoising iteration of the traces, per layer."""
+    E = traces[0].header["model"]["num_experts"]
+    per_layer = {}
+    for layer in traces[0].layers:
+        load = np.zeros(E, dtype=np.int64)
+        for t in traces:
+            for i in np.flatnonzero((t.run_layer == layer) & (t.fwd_kind[t.run_forward] == 1)):
+                load += np.bincount(t.run_ids(i).reshape(-1).astype(np.int64), minlength=E)
+        mean = load.mean()
+        per_layer[int(layer)] = {"used_share": float((load > 0).mean()), "max_over_mean": float(load.max() / mean),
+                                 "cv": float(load.std() / mean)}
+    vals = lambda key: [v[key] for v in per_layer.values()]   # noqa: E731
+    return {"per_layer": per_layer,
+            "mean": {k: float(np.mean(vals(k))) for k in ("used_share", "max_over_mean", "cv")},
+            "worst_max_over_mean": float(max(vals("max_over_mean")))}
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, eq, path = item.partition("=")
+        if not eq:
+            raise SystemExit(f"expected NAME=TRACE, got {item!r}")
+        out[key] = path
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--train-log", required=True)
+    p.add_argument("--trace", action="append", default=[], metavar="WORKLOAD=TRACE")
+    p.add_argument("--block", action="append", default=[], metavar="LENGTH=TRACE")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    log = json.load(open(a.train_log))
+    workloads = {name: Trace.load(path) for name, path in _pairs(a.trace).items()}
+    blocks = {int(b): Trace.load(path) for b, path in _pairs(a.block).items()}
+    heldout = log.get("heldout", {})
+    doc = {
+        "training": {k: log.get(k) for k in ("wall_time_s", "train_time_s", "steps", "tokens_seen",
+                                             "final_train_loss", "params", "expert_bias_abs_max", "recipe")},
+        "heldout": {ratio: {"loss": v["loss"], "acc": v["acc"]} for ratio, v in heldout.items()},
+        "config": log.get("config"),
+        "workloads": {name: {"requests": t.num_requests, "iterations": int((t.fwd_kind == 1).sum()),
+                             "generated_tokens": int(len(t.req_output_ids)),
+                             "tokens_per_forward": tokens_per_forward(t),
+                             "unique_experts_per_layer_iteration": block_unique_experts(t)}
+                      for name, t in workloads.items()},
+        "unique_experts_by_block": {b: dict(block_unique_experts(t), published_llada2_mini=PUBLISHED_UNIQUE.get(b),
+                                            tokens_per_forward=tokens_per_forward(t))
+                                    for b, t in sorted(blocks.items())},
+        "load_balance": load_balance(list(workloads.values()) or list(blocks.values())),
+    }
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"held-out (mask ratio: loss / accuracy): "
+          + ", ".join(f"{r}: {v['loss']:.3f} / {v['acc']:.3f}" for r, v in doc["heldout"].items()))
+    for name, w in doc["workloads"].items():
+        print(f"{name}: {w['requests']} requests, {w['generated_tokens']} tokens, {w['iterations']} iterations, "
+              f"{w['tokens_per_forward']:.2f} tokens per forward, "
+              f"{w['unique_experts_per_layer_iteration']['mean']:.1f} unique experts per layer per iteration")
+    for b, u in doc["unique_experts_by_block"].items():
+        print(f"block {b}: {u['mean']:.1f} unique experts per layer per iteration (p10 {u['p10']:.0f}, p90 "
+              f"{u['p90']:.0f}; LLaDA2.0-mini published ~{u['published_llada2_mini']}), "
+              f"{u['tokens_per_forward']:.2f} tokens per forward")
+    lb = doc["load_balance"]
+    print(f"load balance: {lb['mean']['used_share']:.1%} of experts used per layer, busiest expert "
+          f"{lb['mean']['max_over_mean']:.2f}x the mean (worst layer {lb['worst_max_over_mean']:.2f}x), "
+          f"CV {lb['mean']['cv']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
