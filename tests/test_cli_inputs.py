@@ -151,3 +151,11 @@ def test_synth_progress_bar_has_a_total(capsys, tmp_path):
     total = len(official_tensors(config_from_dict(preset_config("tiny"))))
     err = capsys.readouterr().err
     assert "writing: 100%" in err and f" {total}/{total} " in err, err      # without a total: no % and no /N
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
+@pytest.mark.parametrize("value", ["0", "inf", "-1"])
+def test_serve_timeouts_must_be_positive_and_finite(capsys, flag, value):
+    pytest.importorskip("uvicorn")
+    line = one_error_line(capsys, ["serve", *TINY[:4], flag, value])
+    assert f"{flag} must be a positive number of seconds" in line

@@ -23,6 +23,7 @@ KEY = "test-key"
 MODEL = "random:tiny"
 MAX_QUEUE = 4
 BODY_TIMEOUT = 2.0               # the module server's --body-timeout (seconds)
+HEADER_TIMEOUT = 2.0             # the module server's --header-timeout (seconds)
 JSON = {"Content-Type": "application/json"}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CLI = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -39,7 +40,8 @@ def oled_env() -> dict:
 def server():
     proc = subprocess.Popen([sys.executable, "-c", CLI, "serve", "--random-weights", MODEL.split(":")[1],
                              "--device", "cpu", "--dtype", "float32", "--port", "0", "--api-key", KEY,
-                             "--max-queue", str(MAX_QUEUE), "--body-timeout", str(BODY_TIMEOUT)],
+                             "--max-queue", str(MAX_QUEUE), "--body-timeout", str(BODY_TIMEOUT),
+                             "--header-timeout", str(HEADER_TIMEOUT)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=oled_env())
     log: list[str] = []
     url = None
@@ -279,6 +281,28 @@ def _recv_until_closed(sock: socket.socket, deadline: float) -> bytes:
             return data
         data += chunk
     pytest.fail(f"the server kept the connection open: {data!r}")
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"],
+                         ids=["nothing", "half the headers"])
+def test_slow_headers_get_a_408_and_the_connection_closed(server, http, sent):
+    """A connection whose request line and headers do not arrive within --header-timeout is answered 408 and closed
+    (uvicorn itself only times out idle keep-alive connections), while other clients are served."""
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(sent)
+        start = time.time()
+        time.sleep(HEADER_TIMEOUT / 2)
+        assert http.get("/health").status_code == 200
+        reply = _recv_until_closed(sock, start + HEADER_TIMEOUT + 8)
+        waited = time.time() - start
+    assert reply.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in reply, reply
+    assert HEADER_TIMEOUT - 0.5 < waited < HEADER_TIMEOUT + 5, waited
+    # a keep-alive connection is not cut while it waits between requests or while a request is served
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        for _ in range(2):
+            assert c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).status_code == 200
+            time.sleep(HEADER_TIMEOUT + 0.5)
 
 
 def test_big_deep_and_slow_bodies_leave_health_answering(server, http):

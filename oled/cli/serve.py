@@ -11,6 +11,7 @@ import socket
 import sys
 
 from ..server import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from ..server.header_deadline import HEADER_TIMEOUT_S
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 
@@ -35,6 +36,10 @@ def add_parser(sub) -> None:
     g.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
                    help=f"time a request body may take to arrive; slower ones get HTTP 408 and their connection is "
                         f"closed (default: {BODY_TIMEOUT_S:g})")
+    g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help=f"time a request's line and headers may take to arrive (from the connection's start or the "
+                        f"request's first byte); slower ones get HTTP 408 and their connection is closed "
+                        f"(default: {HEADER_TIMEOUT_S:g})")
     add_engine_args(p)
     add_decode_args(p)
 
@@ -67,8 +72,9 @@ def run(args) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.max_body_mib > 0 or args.max_body_mib == float("inf"):
         raise ValueError(f"--max-body-mib must be a positive number, got {args.max_body_mib}")
-    if not args.body_timeout > 0 or args.body_timeout == float("inf"):
-        raise ValueError(f"--body-timeout must be a positive number of seconds, got {args.body_timeout}")
+    for flag, value in (("--body-timeout", args.body_timeout), ("--header-timeout", args.header_timeout)):
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
     defaults = decode_params(args)
     defaults.validate()
     sock = _listen(args.host, args.port)     # before loading: a busy port fails fast
@@ -78,6 +84,7 @@ def run(args) -> int:
 
         from ..engine import Engine
         from ..server.guards import default_allowed_hosts
+        from ..server.header_deadline import header_deadline_protocol
         from ..server.routes import create_app
 
         engine = Engine(engine_config(args), progress=True)
@@ -98,7 +105,8 @@ def run(args) -> int:
         print(f"oled serve: warning: listening on {host} without --api-key: anyone who can reach this machine "
               f"can use the server", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            http=header_deadline_protocol(args.header_timeout))
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0
