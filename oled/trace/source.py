@@ -29,7 +29,7 @@ class TraceMismatch(ValueError):
 def check_compatible(trace: Trace, config) -> None:
     """One line naming the first difference between the trace's model and `config` that a replay cannot bridge."""
     m = trace.header["model"]
-    name = trace.header.get("model", {}).get("name", "the trace's model")
+    name = m.get("name", "the trace's model")
     mine = (len(config.moe_layers), config.num_experts, config.top_k)
     theirs = (len(m["moe_layers"]), m["num_experts"], m["top_k"])
     if mine != theirs:
