@@ -439,21 +439,31 @@ class Bench:
             except (ValueError, RuntimeError) as e:
                 self._skip(workload.name, PolicySpec(BOUND), budget, str(e))
                 continue
-            metrics = {k: aggregate([stats_metrics(stats.summary()).get(k)]) for k in METRICS}
             b = parse_budget(budget, num_layers=len(c.moe_layers), num_experts=c.num_experts,
                              expert_bytes=engine.store.expert_bytes)
-            row = {"schema": SCHEMA, "run_id": f"{workload.name}|{BOUND}|{budget}", "mode": "bound", "status": "ok",
-                   "label": self.env["label"], "timestamp": now(), "workload": workload.describe(),
-                   "policy": BOUND, "policy_label": BOUND, "policy_options": {}, "budget": budget,
-                   "budget_fraction": b.fraction, "slots_per_layer": b.slots_per_layer, "budget_bytes": b.bytes,
-                   "model": model_info, "engine": None, "decode": _decode_dict(self.cfg.decode, engine),
-                   "bench": {"repeats": 1, "warmup_prompts": 0, "seed": self.cfg.seed, "reference": "full",
-                             "profiled_pass": False, "timing": "none (replay of the reference pass's routing)"},
-                   "env": self.env, "metrics": metrics, "sections_per_iteration_ms": None, "h2d_copy_gbps": None,
-                   "cost_model": None, "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {}),
-                   "prompts": []}
-            self.rows.append(row)
-            self._append("results.jsonl", row)
+            self._add_simulated_row(
+                "bound", workload.name, workload.describe(), PolicySpec(BOUND), {}, budget, b, stats,
+                stats_metrics(stats.summary()), model=model_info, engine=None,
+                decode=_decode_dict(self.cfg.decode, engine), prompts=[],
+                bench={"seed": self.cfg.seed, "reference": "full",
+                       "timing": "none (replay of the reference pass's routing)"},
+                h2d_copy_gbps=None, cost_model=None)
+
+    def _add_simulated_row(self, mode, wl_name, workload, spec, options, budget, b, stats, metrics, *, bench,
+                           **fields) -> None:
+        """A result line without timings (a bound or a replay): one pass, its statistics, the fields given."""
+        row = {"schema": SCHEMA, "run_id": f"{wl_name}|{spec.label}|{budget}", "mode": mode, "status": "ok",
+               "label": self.env["label"], "timestamp": now(), "workload": workload,
+               "policy": spec.name, "policy_label": spec.label, "policy_options": options, "budget": budget,
+               "budget_fraction": b.fraction, "slots_per_layer": b.slots_per_layer, "budget_bytes": b.bytes,
+               **{k: fields.pop(k) for k in ("model", "engine", "decode")},
+               "bench": {"repeats": 1, "warmup_prompts": 0, "profiled_pass": False, **bench},
+               "env": self.env, "metrics": {k: aggregate([metrics.get(k)]) for k in METRICS},
+               "sections_per_iteration_ms": None, **fields,
+               "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {})}
+        row["prompts"] = row.pop("prompts", [])
+        self.rows.append(row)
+        self._append("results.jsonl", row)
 
     def _write_popularity(self, engine, workload, popularity, policy) -> None:
         try:
@@ -612,27 +622,16 @@ class Bench:
                     continue
                 m = stats_metrics(mgr.stats.summary())
                 m.update({"nfe": iters, "tpf": committed / max(iters, 1), "generated_tokens": generated})
-                metrics = {k: aggregate([m.get(k)]) for k in METRICS}
-                b = mgr.budget
-                row = {
-                    "schema": SCHEMA, "run_id": f"{wl_name}|{spec.label}|{budget}", "mode": "replay",
-                    "status": "ok", "label": self.env["label"], "timestamp": now(), "workload": wl,
-                    "policy": spec.name, "policy_label": spec.label,
-                    "policy_options": {k: ("from the trace's routing" if k == "popularity"
-                                           and not isinstance(v, (str, Path)) else v) for k, v in options.items()},
-                    "budget": budget, "budget_fraction": b.fraction, "slots_per_layer": b.slots_per_layer,
-                    "budget_bytes": b.bytes, "model": model, "engine": h.get("engine"), "decode": h.get("decode"),
-                    "bench": {"repeats": 1, "warmup_prompts": 0, "seed": None, "reference": None,
-                              "profiled_pass": False, "timing": "none (replay)", "prediction": mgr.prediction,
-                              "trace_recorded_on": h.get("env", {}).get("label")},
-                    "env": self.env, "metrics": metrics, "sections_per_iteration_ms": None,
-                    "stats_totals": mgr.stats.summary(kinds=ALL_KINDS).get("totals", {}),
-                    "prompts": [{"id": pid, "prompt_tokens": int(len(trace.prompt_ids(i))),
-                                 "generated_tokens": int(len(trace.output_ids(i)))}
-                                for i, pid in enumerate(h.get("requests", []))],
-                }
-                self.rows.append(row)
-                self._append("results.jsonl", row)
+                self._add_simulated_row(
+                    "replay", wl_name, wl, spec,
+                    {k: ("from the trace's routing" if k == "popularity" and not isinstance(v, (str, Path)) else v)
+                     for k, v in options.items()},
+                    budget, mgr.budget, mgr.stats, m, model=model, engine=h.get("engine"), decode=h.get("decode"),
+                    bench={"seed": None, "reference": None, "timing": "none (replay)", "prediction": mgr.prediction,
+                           "trace_recorded_on": h.get("env", {}).get("label")},
+                    prompts=[{"id": pid, "prompt_tokens": int(len(trace.prompt_ids(i))),
+                              "generated_tokens": int(len(trace.output_ids(i)))}
+                             for i, pid in enumerate(h.get("requests", []))])
                 self._tick(1, f"replay {spec.label}@{budget}")
         finally:
             if self._bar is not None:
