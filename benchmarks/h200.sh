@@ -72,7 +72,8 @@ fi
 if has routing; then
   start=$(date +%s)
   timeout ${ROUTING_S:-540} python3 -m oled.cli bench --routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
-    --random-weights llada2-mini --policies ${GRID_POLICIES:-$ALL_POLICIES} --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
+    --random-weights llada2-mini --policies ${ROUTING_POLICIES:-$ALL_POLICIES,oled:waves=1} \
+    --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
     --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
     --out $R/routing-grid > $R/routing-grid.log 2>&1
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/routing-grid.log

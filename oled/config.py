@@ -15,6 +15,7 @@ class EngineConfig:
     expert_budget: str = "1.0"            # fraction (0.4), percentage (40%) or size (12GiB) of routed-expert bytes
     policy: str = "oled"                  # oled/policies: oled (default), oled-retain, oled-coop, or a baseline
     misses: str | None = None             # lru, lfu, prefetch, oled-coop: "load" or "cooperative" (planner + CPU)
+    waves: bool = False                   # oled, oled-coop: misses beyond the free slots may load in further waves
     tide_tau: int | None = None           # tide: refresh period in iterations
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus torch's)

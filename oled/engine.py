@@ -50,6 +50,8 @@ def default_model_dir() -> Path:
 class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = False):
         self.cfg = cfg
+        if cfg.waves and cfg.policy in POLICIES and "waves" not in policy_options(cfg.policy):
+            raise ValueError(f"--waves applies to oled and oled-coop (their cooperative misses), not {cfg.policy!r}")
         if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
             raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
                              "its misses itself")
@@ -94,7 +96,7 @@ class Engine:
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
         self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity,
-                         misses=cfg.misses)
+                         misses=cfg.misses, waves=int(cfg.waves) if cfg.waves else None)
 
     def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
         """(Re)build the budget, the policy and the expert manager over the loaded model and expert store, without

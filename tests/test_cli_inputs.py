@@ -159,3 +159,10 @@ def test_serve_timeouts_must_be_positive_and_finite(capsys, flag, value):
     pytest.importorskip("uvicorn")
     line = one_error_line(capsys, ["serve", *TINY[:4], flag, value])
     assert f"{flag} must be a positive number of seconds" in line
+
+
+def test_waves_only_for_the_cooperative_oled_policies(capsys):
+    for policy in ("lru", "oled-retain", "tide"):
+        line = one_error_line(capsys, ["generate", "hi", *TINY, "--policy", policy, "--waves"])
+        assert "--waves applies to oled and oled-coop" in line
+    assert main(["generate", "def f(", *TINY, "--policy", "oled", "--waves", "--expert-budget", "0.25"]) == 0

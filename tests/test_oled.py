@@ -190,6 +190,27 @@ def test_reuse_credit_buys_a_load_the_makespan_alone_would_not():
         make_policy("oled", horizon=0)
 
 
+def test_waves_let_misses_beyond_the_free_slots_load():
+    """A layer that needs more experts than it has slots: 4 slots, all holding experts it needs, 3 misses. In one
+    wave the planner has no slot to load into, so every miss goes to the CPU whatever it costs; with waves=1 misses
+    may load into the slots of experts already computed, and do when loading is the cheaper side."""
+    expert_bytes = 6 * 2**20
+    costs = balanced_costs(expert_bytes, seconds=50e-6)
+    costs.cpu_seconds = {1: 1e-3, 32: 1e-3}              # the CPU 20 x slower than a load
+    ctx = PolicyContext(layers=[1], num_experts=16, capacity=4, top_k=1, expert_bytes=expert_bytes, costs=costs)
+    demand = {0: 1, 1: 1, 2: 1, 3: 1, 8: 1, 9: 1, 10: 1}
+    decided = {}
+    for waves in (0, 1):
+        p = make_policy("oled", calibration=_calibration(), waves=waves)
+        p.setup(ctx)
+        p.on_forward(ForwardInfo(kind="iteration", start=0, tokens=7, block_start=0, block_length=7))
+        decided[waves] = p.decide(_event(1, demand, {0, 1, 2, 3}))
+    assert decided[0].load == [] and sorted(decided[0].cpu) == [8, 9, 10]
+    assert sorted(decided[1].load) == [8, 9, 10] and decided[1].cpu == []
+    with pytest.raises(ValueError, match="waves must be 0"):
+        make_policy("oled", waves=2)
+
+
 # ------------------------------------------------------------------------------------------------------- belady
 def _min_loads(sequence, capacity):
     """Brute force: the fewest loads any eviction choices give for a sequence of demand sets (each fits)."""

@@ -71,16 +71,18 @@ def test_replay_of_cpu_policy_matches_live(engine, tmp_path):
     assert sum(r["pairs_cpu"] for r in rows) > 0
 
 
-@pytest.mark.parametrize("policy", ["oled", "oled-coop", "oled-retain"])
+@pytest.mark.parametrize("policy", ["oled", "oled-coop", "oled-retain", "oled:waves=1"])
 def test_replay_of_oled_matches_live(engine, tmp_path, policy):
     """The OLED policy sees token layouts, routing weights and iteration states: from a trace it gets the very same
     events, so its replay makes the live run's decisions (cooperative ones on the recorded costs)."""
     engine.costs = balanced_costs(engine.store.expert_bytes)
-    trace, _, live_rows = _record(engine, policy, "0.25", tmp_path)
-    rows = replay(trace, policy, "0.25").stats.to_rows()
+    name, _, option = policy.partition(":")
+    options = {option.split("=")[0]: int(option.split("=")[1])} if option else {}
+    trace, _, live_rows = _record(engine, name, "0.25", tmp_path, **options)
+    rows = replay(trace, name, "0.25", **options).stats.to_rows()
     assert rows == [dict({k: v for k, v in r.items()}, cpu_s=0.0, cpu_s_model=0.0) for r in live_rows]
     assert sum(r["loads"] for r in rows) > 0
-    assert (sum(r["pairs_cpu"] for r in rows) > 0) == (policy != "oled-retain")
+    assert (sum(r["pairs_cpu"] for r in rows) > 0) == (name != "oled-retain")
 
 
 def test_replay_of_cooperative_misses_plans_on_the_recorded_costs(engine, tmp_path, lru_trace):

@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=LIVE_POLICIES,
                    help="expert residency policy (default: %(default)s)")
+    g.add_argument("--waves", action="store_true",
+                   help="oled, oled-coop: a layer's misses beyond the slots not holding a hit may load in further "
+                        "waves instead of all going to the CPU (not yet measured on a GPU; default: off)")
     g.add_argument("--misses", choices=["load", "cooperative"],
                    help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
                         "planner split misses between loading and the CPU on the measured costs")
@@ -73,7 +76,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, random_weights=args.random_weights, layers=args.layers, seed=args.seed,
                         device=args.device, dtype=args.dtype, expert_budget=args.expert_budget, policy=args.policy,
-                        misses=args.misses, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
+                        misses=args.misses, waves=args.waves, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs,

@@ -14,7 +14,7 @@ from .tide import TidePolicy
 # name -> (class, the options that define it); a variant's own options override the caller's
 POLICIES: dict[str, tuple[type[Policy], dict]] = {
     "oled": (OledPolicy, {}),
-    "oled-retain": (OledPolicy, {"misses": "load"}),
+    "oled-retain": (OledPolicy, {"misses": "load", "waves": 0}),
     "oled-coop": (OledPolicy, {"retention": "lru"}),
     **{p.name: (p, {}) for p in (FullPolicy, LRUPolicy, LFUPolicy, PrefetchPolicy, FiddlerPolicy, TidePolicy,
                                   BeladyPolicy)},

@@ -149,18 +149,21 @@ class Policy:
 
     # ------------------------------------------------------------------------------------- shared helpers
     def cooperative_split(self, event: LayerEvent, credit: dict[int, float] | None = None,
-                          evict_loss: list[float] | None = None) -> tuple[list[int], list[int]]:
+                          evict_loss: list[float] | None = None, waves: bool = False) -> tuple[list[int], list[int]]:
         """Split the misses between loading and the CPU with the planner on the measured costs. Loads fill the free
-        slots first (a free slot is never left empty for a miss sent to the CPU) and are capped at the slots not
-        holding a hit, so the layer runs in one wave; evict_loss[i] is the predicted value lost by the i-th eviction
-        a load beyond the free slots causes."""
+        slots first (a free slot is never left empty for a miss sent to the CPU). They are capped at the slots not
+        holding a hit, so the layer runs in one wave, unless `waves`: then any miss may load, in further waves that
+        reuse the slots of experts already computed (the misses of a layer that needs more experts than it has
+        slots need not all go to the CPU). evict_loss[i] is the predicted value lost by the i-th eviction a load
+        beyond the free slots causes."""
         if self.ctx.costs is None:
             raise RuntimeError(f"policy {self.name!r}: cooperative miss handling needs the measured cost model")
         hits = event.hits
         misses = {e: event.demand[e] for e in event.misses}
         free = self.ctx.capacity - len(event.resident)
         inputs = PlanInputs(tokens=misses, hit_tokens=[event.demand[e] for e in hits], rows=len(event.ids),
-                            free_slots=free, max_loads=self.ctx.capacity - len(hits), credit=credit or {},
+                            free_slots=free, max_loads=None if waves else self.ctx.capacity - len(hits),
+                            credit=credit or {},
                             evict_loss=evict_loss or [])
         return split_misses(inputs, self.ctx.costs)
 

@@ -15,7 +15,9 @@ confidence say whether its routing will repeat (policies/reuse.py). So instead o
      what a hit then saves (the cheaper of a load and its CPU time); a resident's value is the same with
      p = 1 - exp(-score).
 Variants (the ablations): `oled` = reuse retention + cooperative misses; `oled-retain` = reuse retention, every
-miss loaded; `oled-coop` = LRU retention + reuse-aware cooperative misses.
+miss loaded; `oled-coop` = LRU retention + reuse-aware cooperative misses. `waves=1` lets the planner load misses
+beyond the slots not holding a hit, in further waves, instead of sending every such miss to the CPU (off by
+default: not yet measured on a GPU).
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ RETENTIONS = ("reuse", "lru")
 
 class OledPolicy(LRUPolicy):
     name = "oled"
-    options = ("misses", "retention", "decay", "weighting", "calibration", "horizon")
+    options = ("misses", "retention", "decay", "weighting", "calibration", "horizon", "waves")
 
     def __init__(self, misses: str = "cooperative", retention: str = "reuse", decay: float = 0.0,
-                 weighting: str = "count", calibration=None, horizon: float = 8.0):
+                 weighting: str = "count", calibration=None, horizon: float = 8.0, waves=0):
         super().__init__(misses=misses)
         if retention not in RETENTIONS:
             raise ValueError(f"policy {self.name!r}: retention must be one of {', '.join(RETENTIONS)}, "
@@ -50,7 +52,11 @@ class OledPolicy(LRUPolicy):
         if not horizon > 0:
             raise ValueError(f"policy {self.name!r}: horizon (iterations a retained expert is valued over) must be "
                              f"positive, got {horizon!r}")
+        if str(waves) not in ("0", "1", "False", "True"):
+            raise ValueError(f"policy {self.name!r}: waves must be 0 (misses beyond the slots not holding a hit go to "
+                             f"the CPU) or 1 (they may load in further waves), got {waves!r}")
         self.retention, self.decay, self.weighting, self.horizon = retention, decay, weighting, horizon
+        self.waves = str(waves) in ("1", "True")
         self.calibration = ReuseCalibration.load(calibration)
 
     def setup(self, ctx):
@@ -112,11 +118,14 @@ class OledPolicy(LRUPolicy):
         extra = max(0, len(misses) - max(free, 0))
         loss = []
         if extra:
+            # evicted first: residents this layer does not need; with waves, then its own hits once computed
             victims = [e for e in order if e in event.resident and e not in event.demand][:extra]
+            if self.waves:
+                victims += [e for e in order if e in event.resident and e in event.demand][:extra - len(victims)]
             score = self.predictor.layer_scores(event.layer)
             tokens = max(1, round(event.ids.size / max(len(event.demand), 1)))    # a typical expert's tokens
             loss = [self.future_uses(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]
-        return self.cooperative_split(event, credit=credit, evict_loss=loss)
+        return self.cooperative_split(event, credit=credit, evict_loss=loss, waves=self.waves)
 
     def future_uses(self, p: float) -> float:
         """Expected iterations an expert reused next iteration with probability p keeps being reused, if each next

@@ -9,7 +9,8 @@ the CPU. One objective, `plan_costs`, used by the search and by the tests:
 credit[e] is what loading e now is predicted to save later (its reuse); evict_loss[i] what the i-th eviction a
 load causes is predicted to lose (loads into free slots evict nothing). Constraints: min(free slots, misses) <= |L|
 <= max_loads: a free slot is never left empty while a miss goes to the CPU, and loads stay within the slots not
-holding a hit (one wave).
+holding a hit (one wave), or any number (max_loads None: further waves reuse slots, their copies serialised on the
+copy engine like the first's, which the copy term already counts).
 
 The search is exact for up to EXACT_MAX misses (every subset, vectorised); beyond that it evaluates every split of
 three orders (by CPU-side time, by CPU-side time + credit, by credit), which is exact without credits when the GPU
