@@ -92,8 +92,14 @@ class OledPolicy(LRUPolicy):
         if self.retention == "lru":
             return super().eviction_order(layer, resident, extra)
         score, last = self.predictor.layer_scores(layer), self.last_use[layer]
-        return EvictionOrder(lambda: sorted(set(resident).union(extra),
-                                            key=lambda e: (e in needed, score[e], last.get(e, -1), e)))
+
+        def rank():      # by (needed now, score, last use, id): one lexsort instead of a sort by Python tuples
+            cand = np.fromiter(set(resident).union(extra), dtype=np.int64)
+            ids = cand.tolist()
+            used = np.fromiter((last.get(e, -1) for e in ids), dtype=np.int64, count=len(ids))
+            need = np.fromiter((e in needed for e in ids), dtype=bool, count=len(ids))
+            return cand[np.lexsort((cand, used, score[cand], need))].tolist()
+        return EvictionOrder(rank)
 
     # ------------------------------------------------------------------------------------------------ misses
     def split(self, event, order=()):
