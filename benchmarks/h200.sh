@@ -10,6 +10,7 @@
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
 #          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
+#   fused  `full` and `lru` at 100/40 % with and without --fused-router (the Triton router kernel), back to back
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
@@ -77,6 +78,21 @@ if has routing; then
     --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
     --out $R/routing-grid > $R/routing-grid.log 2>&1
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/routing-grid.log
+fi
+if has fused; then
+  for mode in plain fused; do
+    flag=""; [ $mode = fused ] && flag=--fused-router
+    timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets 1.0,0.4 --policies full,lru --no-bound $flag \
+      --out $R/fused-$mode > $R/fused-$mode.log 2>&1; echo "fused stage ($mode) rc=$?"
+  done
+  python3 - $R/fused-plain $R/fused-fused <<'PY'
+import json, sys
+for d in sys.argv[1:]:
+    for line in open(f"{d}/results.jsonl"):
+        r = json.loads(line)
+        print(d.rsplit("/", 1)[-1], r["policy"], r["budget"], "TPOT ms", r["metrics"]["tpot_ms"]["median"],
+              "agreement", r["metrics"]["token_agreement"]["median"])
+PY
 fi
 for d in grid routing-grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack

@@ -23,6 +23,8 @@ class EngineConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
+    fused_router: bool = False            # LLaDA2's router as one Triton kernel after the gate GEMM (needs Triton and
+                                          # CUDA, or TRITON_INTERPRET=1; off until measured in the engine)
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

@@ -90,6 +90,8 @@ class Engine:
             loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
+        if cfg.fused_router:
+            self._use_fused_router()
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
         self.graphs: ForwardGraphs | None = None
@@ -138,6 +140,23 @@ class Engine:
         for block in self.model.moe_blocks():
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.predicted_routing
+
+    def _use_fused_router(self) -> None:
+        from .kernels import triton_support
+
+        if self.config.router != "sigmoid_group":
+            raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {self.model_name} routes "
+                             f"with {self.config.router}")
+        if not triton_support.available():
+            raise ValueError("--fused-router needs Triton and a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU "
+                             "interpreter)")
+        if self.device.type != "cuda":
+            from .kernels import router_kernel
+            if not triton_support.interpreted(router_kernel.sigmoid_group_route_kernel):
+                raise ValueError(f"--fused-router needs a CUDA device (the engine runs on {self.device}), or "
+                                 f"TRITON_INTERPRET=1")
+        for block in self.model.moe_blocks():
+            block.fused_router = True
 
     def set_routing_source(self, source) -> None:
         """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router). Captured graphs

@@ -1,6 +1,7 @@
 """Bad flags and files on an ordinary machine: one clear line and exit code 2, never a traceback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -166,3 +167,14 @@ def test_waves_only_for_the_cooperative_oled_policies(capsys):
         line = one_error_line(capsys, ["generate", "hi", *TINY, "--policy", policy, "--waves"])
         assert "--waves applies to oled and oled-coop" in line
     assert main(["generate", "def f(", *TINY, "--policy", "oled", "--waves", "--expert-budget", "0.25"]) == 0
+
+
+def test_fused_router_without_cuda_is_one_line():
+    """On a CPU-only machine (no TRITON_INTERPRET) --fused-router is refused before any work (its own process: a
+    test that switched Triton's interpreter on keeps it on for the rest of the process)."""
+    cli = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", cli, "generate", "hi", *TINY, "--fused-router"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "--fused-router needs" in lines[0], lines

@@ -397,3 +397,37 @@ def test_bench_cases_run_under_the_interpreter(k):
     assert conf["bytes"] == 9 * 3000 * 4 and conf["triton_gbps"] == pytest.approx(conf["bytes"] / 10e-6 / 1e9)
     assert conf["triton"]["launches"] == 1
     json.dumps([router, conf])                                                           # one JSON line each
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in the engine
+
+def test_fused_router_in_the_engine_gives_the_same_tokens_and_routing(k, monkeypatch):
+    """--fused-router: the MoE layers route with the kernel; the tokens and every layer's routing statistics are
+    those of the torch router (fp32, a random tiny model, an offloaded budget)."""
+    import oled
+    from oled.decoding.params import DecodeParams
+
+    launches = []
+    kernel_route = k.router.sigmoid_group_route_logits
+    monkeypatch.setattr(k.router, "sigmoid_group_route_logits",
+                        lambda *a, **kw: launches.append(1) or kernel_route(*a, **kw))
+    runs = {}
+    for fused in (False, True):
+        llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="lru", expert_budget="0.5",
+                       fused_router=fused)
+        assert all(b.fused_router == fused for b in llm.engine.model.moe_blocks())
+        ids = llm.tokenizer.encode("def fib(n):\n")
+        res = llm.engine.generate_ids(ids, DecodeParams(gen_length=16, block_length=16))
+        runs[fused] = (res.token_ids, [{k_: v for k_, v in r.items() if k_ not in ("cpu_s", "cpu_s_model")}
+                                       for r in llm.engine.manager.stats.to_rows()])
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 16
+    assert runs[True][1] == runs[False][1]
+    assert len(launches) == len(runs[True][1])          # one kernel per MoE layer per forward, only when fused
+
+
+def test_fused_router_refuses_a_softmax_router(k):
+    import oled
+
+    with pytest.raises(ValueError, match="implements LLaDA2's sigmoid group routing"):
+        oled.LLM(random_weights="tiny-lladamoe", device="cpu", dtype="float32", fused_router=True)

@@ -108,6 +108,7 @@ class BenchConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True
     offload_graphs: bool = True
+    fused_router: bool = False
     # decoding and protocol
     decode: DecodeParams = field(default_factory=DecodeParams)
     prompts: int | None = None           # use at most this many prompts of each workload
@@ -254,7 +255,7 @@ class Bench:
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
-                            offload_graphs=cfg.offload_graphs, policy="lru",
+                            offload_graphs=cfg.offload_graphs, fused_router=cfg.fused_router, policy="lru",
                             expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)
         self.engine = engine

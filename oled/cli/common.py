@@ -53,6 +53,10 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
+    g.add_argument("--fused-router", action="store_true",
+                   help="LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
+                        "gate GEMM: the same ids and weights in fewer launches (needs Triton and CUDA; not yet measured "
+                        "in the engine; default: off)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
@@ -79,7 +83,7 @@ def engine_config(args) -> EngineConfig:
                         misses=args.misses, waves=args.waves, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
-                        offload_graphs=args.offload_graphs,
+                        offload_graphs=args.offload_graphs, fused_router=args.fused_router,
                         profile=getattr(args, "profile", False))
 
 

@@ -24,10 +24,11 @@ class MoEBlock(nn.Module):
         # Set for a trace replay (oled/trace/source.py): routing(layer_idx, ids, weights) -> the recorded routing,
         # which replaces the router's; predicted(layer_idx, x) -> the recorded prediction of this layer's routing.
         self.routing_source = None
+        self.fused_router = False      # set by the engine (EngineConfig.fused_router): the Triton router kernel
 
     def route(self, x: torch.Tensor):
         """The router itself."""
-        return route(self.config, x, self.router_weight, self.expert_bias)
+        return route(self.config, x, self.router_weight, self.expert_bias, fused=self.fused_router)
 
     def routing(self, x: torch.Tensor):
         """The routing the layer uses: the router's, or the replayed trace's (the router still runs: its cost)."""

@@ -64,10 +64,17 @@ def softmax_route(
     return ids, weights.to(hidden.dtype).float()
 
 
-def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None):
-    """Dispatch on the model's router kind (see ModelConfig.router)."""
+def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None,
+          fused: bool = False):
+    """Dispatch on the model's router kind (see ModelConfig.router). fused: LLaDA2's routing as one Triton kernel
+    after the same gate GEMM (oled/kernels/triton_router.py; the same ids and weights)."""
     bias = expert_bias if config.use_expert_bias else None
     if config.router == "sigmoid_group":
+        if fused:
+            from ..kernels.triton_router import sigmoid_group_route as fused_route
+            return fused_route(
+                hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
+                routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
         return sigmoid_group_route(
             hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
             routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
