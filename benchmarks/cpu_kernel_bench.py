@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import threading
@@ -129,12 +128,12 @@ def main():
         min_s = 0.3
     tokens = [int(t) for t in args.tokens.split(",")]
     dram = measure_read_gbs(0.25 if args.quick else 1.0)
-    kernel = CpuExpertKernel(num_threads=args.threads, force_portable=args.portable)
+    kernel = CpuExpertKernel(num_threads=args.threads, isa="portable" if args.portable else "auto")
     cuda = torch.cuda.is_available()
     meta = dict(kernel=kernel.name, threads=kernel.num_threads, cpus=kernel.cpus, torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, machine=platform.machine(), processor=cpu_model(), l3_bytes=l3_bytes(),
                 jobs_per_call=args.jobs, dram_gbs=args.dram_gbs, cuda=cuda, quick=args.quick,
-                measured_read_gbs=dram, prefetch=os.environ.get("OLED_CPU_PREFETCH", "1"))
+                measured_read_gbs=dram, prefetch=kernel.knobs["prefetch"])
     print(f"# kernel={kernel.name} threads={kernel.num_threads} torch_threads={torch.get_num_threads()} "
           f"cpu={meta['processor']} jobs/call={args.jobs} cuda={cuda}")
     print(f"# torch fp32 sum over {1 if not args.quick else 0.25} GiB: {dram:.1f} GB/s read "

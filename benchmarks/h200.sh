@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 benchmarks in stages, each under its own time limit so one slow stage cannot take the others' results with it:
 #   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
-#   wake   A/B of the CPU workers' wake modes (OLED_CPU_WAKE=layer|forward|off) on the CPU-using policies at 25 %;
+#   wake   A/B of the CPU workers' wake modes (--cpu-wake layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
 #   grid   the default policy grid on llada2-mini shapes, one `oled bench` command: every baseline, oled and its
 #          ablations at 100/60/40/25 %, belady's bound beside them (GRID_POLICIES narrows it)
@@ -40,14 +40,14 @@ GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} -
 if has wake; then
   best=""; best_ms=""
   for mode in ${WAKE_MODES:-layer forward off}; do
-    OLED_CPU_WAKE=$mode timeout ${WAKE_S:-150} python3 -m oled.cli bench $GRID --budgets 0.25 \
+    timeout ${WAKE_S:-150} python3 -m oled.cli bench $GRID --cpu-wake $mode --budgets 0.25 \
       --policies fiddler,tide,lru:misses=cooperative --no-profile --out $R/wake-$mode > $R/wake-$mode.log 2>&1
     ms=$(python3 -c "import json,sys; print(sum(json.loads(l)['metrics']['tpot_ms']['median'] for l in open(sys.argv[1])))" \
          $R/wake-$mode/results.jsonl 2>/dev/null)
     echo "wake $mode: sum of TPOT medians ${ms:-failed} ms"
     if [ -n "$ms" ] && { [ -z "$best" ] || python3 -c "import sys; sys.exit(not $ms < $best_ms)"; }; then best=$mode; best_ms=$ms; fi
   done
-  [ -n "$best" ] && export OLED_CPU_WAKE=$best && echo "later stages: OLED_CPU_WAKE=$best"
+  [ -n "$best" ] && GRID="$GRID --cpu-wake $best" && echo "later stages: --cpu-wake $best"
 fi
 if has grid; then
   start=$(date +%s)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+CPU_WAKE_MODES = ("layer", "forward", "off")       # EngineConfig.cpu_wake
+CPU_ISAS = ("auto", "avx512_bf16", "portable")     # EngineConfig.cpu_isa
+
 
 @dataclass
 class EngineConfig:
@@ -20,6 +23,17 @@ class EngineConfig:
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus torch's)
     torch_threads: int | None = None      # torch intra-op threads (default: 1, sized with cpu_threads)
+    # the CPU expert kernel (runtime/cpu_kernel.py; what each did on the H200 host: benchmarks/CPU_KERNEL_NOTES.md)
+    cpu_wake: str = "layer"               # when its sleeping workers are woken: layer (ahead of a layer that had CPU
+                                          # work the last time), forward (held through each forward) or off
+    cpu_isa: str = "auto"                 # auto (AMX for jobs of cpu_amx_min_tokens or more, else AVX-512 BF16, where
+                                          # the CPU has them), avx512_bf16, or portable C
+    cpu_amx_min_tokens: int = 4           # 0: never AMX
+    cpu_pin: bool = True                  # pin the workers to the last physical cores
+    cpu_spin_us: float = 50.0             # a worker polls this long before it sleeps
+    cpu_chunks: int = 4                   # work chunks per worker and call
+    cpu_prefetch: bool = True             # software prefetch of the next weight tiles
+    cpu_prefetch_distance: int = 4        # tiles ahead
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips

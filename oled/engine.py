@@ -55,6 +55,11 @@ class Engine:
         if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
             raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
                              "its misses itself")
+        from .config import CPU_WAKE_MODES
+        from .runtime.cpu_kernel import check_knobs
+        if cfg.cpu_wake not in CPU_WAKE_MODES:
+            raise ValueError(f"cpu_wake must be one of {', '.join(CPU_WAKE_MODES)}, got {cfg.cpu_wake!r}")
+        check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
@@ -125,13 +130,17 @@ class Engine:
         if self.policy.uses_cpu:
             if self._cpu_kernel is None:
                 from .runtime.cpu_kernel import CpuExpertKernel
-                self._cpu_kernel = CpuExpertKernel(num_threads=self.threads.kernel_threads)
+                c = self.cfg
+                self._cpu_kernel = CpuExpertKernel(
+                    num_threads=self.threads.kernel_threads, isa=c.cpu_isa, amx_min_tokens=c.cpu_amx_min_tokens,
+                    pin=c.cpu_pin, spin_us=c.cpu_spin_us, chunks=c.cpu_chunks, prefetch=c.cpu_prefetch,
+                    prefetch_distance=c.cpu_prefetch_distance)
             cpu_kernel = self._cpu_kernel
             if self.costs is None:
                 self.costs = load_or_measure(self.store, cpu_kernel, self.device)
                 log.info("miss service: %s", self.costs.describe())
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
-                                     costs=self.costs if cpu_kernel is not None else None)
+                                     costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake)
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.policy.static_full
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)

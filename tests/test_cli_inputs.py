@@ -178,3 +178,28 @@ def test_fused_router_without_cuda_is_one_line():
                          capture_output=True, text=True, timeout=120, env=env)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1 and "--fused-router needs" in lines[0], lines
+
+
+@pytest.mark.parametrize("flags, words", [(["--cpu-chunks", "0"], "cpu_chunks must be an integer >= 1"),
+                                          (["--cpu-spin-us", "-1"], "cpu_spin_us must be a number"),
+                                          (["--cpu-amx-min-tokens", "-2"], "cpu_amx_min_tokens must be an integer")])
+def test_cpu_kernel_knobs_out_of_range(capsys, flags, words):
+    assert words in one_error_line(capsys, ["generate", "hi", *TINY, *flags])
+
+
+def test_cpu_kernel_knobs_reach_the_kernel():
+    """The CPU kernel's knobs are EngineConfig fields (no environment variables): a CPU policy's kernel is built
+    with them, and the cost model's cache key tells kernels with other knobs apart."""
+    from oled.runtime.cost_model import cache_key
+
+    llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="tide", expert_budget="0.5",
+                   cpu_isa="portable", cpu_chunks=2, cpu_spin_us=10.0, cpu_pin=False, cpu_wake="off")
+    kernel, manager = llm.engine.manager.cpu_kernel, llm.engine.manager
+    assert kernel.name == "portable" and manager.cpu_wake == "off"
+    assert kernel.knobs == dict(isa="portable", amx_min_tokens=4, pin=False, spin_us=10.0, chunks=2, prefetch=True,
+                                prefetch_distance=4)
+    assert kernel.cpus == [-1] * kernel.num_threads                      # not pinned
+    other = oled.runtime.cpu_kernel.CpuExpertKernel(num_threads=kernel.num_threads, isa="portable")
+    store, device = llm.engine.store, llm.engine.device
+    assert cache_key(store, kernel, device) != cache_key(store, other, device)
+    other.close()

@@ -22,7 +22,7 @@ def fast():
 
 @pytest.fixture(scope="module")
 def portable():
-    k = CpuExpertKernel(num_threads=2, force_portable=True)
+    k = CpuExpertKernel(num_threads=2, isa="portable")
     yield k
     k.close()
 

@@ -176,13 +176,12 @@ def test_cooperative_with_the_measured_cost_model():
 
 
 @pytest.mark.parametrize("wake", ["layer", "forward", "off"])
-def test_cpu_workers_are_woken_ahead_of_the_calls(monkeypatch, wake):
+def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
     """With a CPU policy the kernel's workers are woken before they are needed: at each offloaded layer's routing
     read-back (layer, the default), or held through each forward (forward); tokens never depend on it."""
     from oled.runtime.manager import FORWARD_HOLD_S, LAYER_HOLD_S
 
-    monkeypatch.setenv("OLED_CPU_WAKE", wake)
-    llm = make_llm("tiny", "tide", "0.5")
+    llm = make_llm("tiny", "tide", "0.5", cpu_wake=wake)
     kernel = llm.engine.manager.cpu_kernel
     calls, hold = [], kernel.hold
     kernel.hold = lambda seconds: (calls.append(seconds), hold(seconds))
@@ -200,11 +199,9 @@ def test_cpu_workers_are_woken_ahead_of_the_calls(monkeypatch, wake):
     assert 0 < woken < len(records), "the test needs layers with and without CPU work"
     expect = {"layer": [LAYER_HOLD_S] * woken, "forward": [FORWARD_HOLD_S, 0.0] * forwards, "off": []}[wake]
     assert calls == expect and forwards > 0
-    monkeypatch.delenv("OLED_CPU_WAKE")
     assert out.token_ids == make_llm("tiny", "tide", "0.5").generate(PROMPT, gen_length=32).token_ids
-    monkeypatch.setenv("OLED_CPU_WAKE", "sometimes")
-    with pytest.raises(ValueError, match="OLED_CPU_WAKE must be one of layer, forward, off"):
-        make_llm("tiny", "tide", "0.5")
+    with pytest.raises(ValueError, match="cpu_wake must be one of layer, forward, off"):
+        make_llm("tiny", "tide", "0.5", cpu_wake="sometimes")
 
 
 # ----------------------------------------------------------------------------------------------- logits, exact

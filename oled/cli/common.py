@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import EngineConfig
+from ..config import CPU_ISAS, CPU_WAKE_MODES, EngineConfig
 from ..decoding.params import DecodeParams
 from ..policies import DEFAULT_POLICY, POLICIES, policy_class
 
@@ -50,6 +50,25 @@ def add_execution_args(g) -> None:
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--cpu-threads", type=positive_int, help="CPU expert threads (default: physical cores minus torch's threads)")
+    d = EngineConfig()
+    g.add_argument("--cpu-wake", choices=CPU_WAKE_MODES, default=d.cpu_wake,
+                   help="when the CPU kernel's sleeping workers are woken: ahead of a layer that had CPU work the "
+                        "last time it ran, held through each forward, or never (default: %(default)s)")
+    g.add_argument("--cpu-isa", choices=CPU_ISAS, default=d.cpu_isa,
+                   help="CPU kernel instruction set: the fastest the CPU has, AVX-512 BF16 without AMX, or portable "
+                        "C (default: %(default)s)")
+    g.add_argument("--cpu-amx-min-tokens", type=int, default=d.cpu_amx_min_tokens, metavar="N",
+                   help="CPU jobs with at least N tokens use AMX where the CPU has it; 0: never (default: %(default)s)")
+    g.add_argument("--no-cpu-pin", dest="cpu_pin", action="store_false",
+                   help="do not pin the CPU kernel's workers to the last physical cores")
+    g.add_argument("--cpu-spin-us", type=float, default=d.cpu_spin_us, metavar="US",
+                   help="how long an idle CPU worker polls before it sleeps (default: %(default)s)")
+    g.add_argument("--cpu-chunks", type=int, default=d.cpu_chunks, metavar="N",
+                   help="work chunks per CPU worker and call (default: %(default)s)")
+    g.add_argument("--no-cpu-prefetch", dest="cpu_prefetch", action="store_false",
+                   help="no software prefetch of the next weight rows in the CPU kernel")
+    g.add_argument("--cpu-prefetch-distance", type=int, default=d.cpu_prefetch_distance, metavar="N",
+                   help="CPU kernel AMX path: prefetch distance in 64-byte columns; 0: off (default: %(default)s)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
@@ -84,7 +103,16 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, fused_router=args.fused_router,
-                        profile=getattr(args, "profile", False))
+                        profile=getattr(args, "profile", False), **cpu_kernel_fields(args))
+
+
+CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us", "cpu_chunks",
+                     "cpu_prefetch", "cpu_prefetch_distance")
+
+
+def cpu_kernel_fields(args) -> dict:
+    """The CPU kernel's EngineConfig fields from the flags of add_execution_args (`oled bench` passes them on)."""
+    return {name: getattr(args, name) for name in CPU_KERNEL_FIELDS}
 
 
 def decode_params(args) -> DecodeParams:

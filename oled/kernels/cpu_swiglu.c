@@ -904,7 +904,7 @@ void oled_pool_destroy(void *handle) {
 /* Idle workers keep polling for the next hold_ns (no sleep, so no wake-up cost on the next call); 0 ends a hold.
  * A hold wakes sleeping workers now, so that their wake-up overlaps the caller's own work instead of delaying the
  * next call. The engine wakes the pool this way ahead of a layer's CPU job (or holds it through a forward, see
- * OLED_CPU_WAKE in runtime/manager.py); the deadline bounds the polling if the caller never ends a hold. */
+ * EngineConfig.cpu_wake, runtime/manager.py); the deadline bounds the polling if the caller never ends a hold. */
 void oled_pool_hold(void *handle, int64_t hold_ns) {
     pool_t *p = (pool_t *)handle;
     atomic_store(&p->hold_until, hold_ns > 0 ? now_ns() + hold_ns : 0);

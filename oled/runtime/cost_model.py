@@ -283,7 +283,7 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     n = 16
     h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
     # calibrate() times back-to-back calls of 8 experts: take that call's share out of its per-expert times; the
-    # engine calls the kernel once per layer, ms apart, after waking the workers (manager.py, OLED_CPU_WAKE): the
+    # engine calls the kernel once per layer, ms apart, after waking the workers (manager.py, EngineConfig.cpu_wake): the
     # time of such a call is the model's
     jobs = 8
     back_to_back = call_overhead(kernel, store.hidden, store.intermediate, dtype=store.dtype, jobs=jobs, gap_s=0.0)
@@ -313,7 +313,8 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
 def cache_key(store, kernel, device) -> str:
     dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
     text = "|".join(map(str, (COST_MODEL_VERSION, platform.processor(), platform.machine(), os.cpu_count(),
-                              kernel.name, kernel.num_threads, store.hidden, store.intermediate, store.dtype,
+                              kernel.name, kernel.num_threads, sorted(getattr(kernel, "knobs", {}).items()),
+                              store.hidden, store.intermediate, store.dtype,
                               store.pinned, dev)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -4,17 +4,11 @@ The C source (oled/kernels/cpu_swiglu.c) is compiled on first use with the syste
 ~/.cache/oled/kernels/<hash of source, flags and compiler>/; it is loaded through ctypes, which releases the GIL
 around every call, so `run` overlaps GPU work launched from the main Python thread.
 
-Environment:
-  OLED_CPU_THREADS      default worker count (default: physical cores in this process's CPU set)
-  OLED_CPU_KERNEL       "portable" forces the portable path, "avx512_bf16" disables AMX
-  OLED_CPU_AMX_MIN_TOKENS  jobs with at least this many tokens use AMX where available (default 4)
-  OLED_CPU_CHUNKS       work chunks per thread and phase, claimed dynamically (default 4)
-  OLED_CPU_PIN          "0" disables pinning the workers to cores
-  OLED_CPU_SPIN_US      how long idle workers spin before sleeping (default 50 µs)
-  OLED_CPU_PREFETCH     "0" disables the software prefetch of the next weight rows (AVX-512 path)
-  OLED_CPU_PF_DIST      AMX path: prefetch distance in 64-byte columns (default 4, 0 = off)
-  OLED_KERNEL_CACHE     compiled-library cache directory (default ~/.cache/oled/kernels)
-  CC                    compiler (default: cc, then gcc)
+The kernel's knobs are CpuExpertKernel's arguments, EngineConfig's cpu_* fields and the CLI's --cpu-* flags:
+worker count, instruction set (auto / avx512_bf16 / portable), the token count from which AMX is used, pinning, the
+idle spin, work chunks per worker, and the software prefetch of the next weight rows (AVX-512 path) and its distance
+in 64-byte columns (AMX path). Building it reads the environment: OLED_KERNEL_CACHE (the compiled-library cache,
+default ~/.cache/oled/kernels) and CC (the compiler, default cc, then gcc).
 """
 
 from __future__ import annotations
@@ -35,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..config import CPU_ISAS
+
 log = logging.getLogger("oled")
 
 _SRC = Path(__file__).resolve().parent.parent / "kernels" / "cpu_swiglu.c"
@@ -46,6 +42,7 @@ _TOKEN_COST_256THS = 8
 # Measured on the H200 host (16-core Xeon): AMX and AVX-512 both reach DRAM bandwidth up to 4 tokens, AVX-512
 # falls to 90 % at 8, 52 % at 16, 26 % at 32 tokens, AMX stays at 92-126 %.
 _AMX_MIN_TOKENS = 4
+ISAS = CPU_ISAS
 
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -215,8 +212,6 @@ def _load_library() -> ctypes.CDLL | None:
         lib.oled_set_prefetch.argtypes = [I32]
         lib.oled_run.restype = I32
         lib.oled_run.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64, I64, I32]
-        lib.oled_set_prefetch(int(os.environ.get("OLED_CPU_PREFETCH", "1") != "0"))
-        lib.oled_set_pf_dist(int(os.environ.get("OLED_CPU_PF_DIST", 4)))
         _lib = lib
         return lib
 
@@ -228,6 +223,18 @@ _RUN_ERRORS = {-1: "bad arguments", -2: "token index out of range", -3: "out of 
 # kernel
 
 
+def check_knobs(isa: str, amx_min_tokens: int, spin_us: float, chunks: int, prefetch_distance: int) -> None:
+    """One line naming the first knob out of range (the engine checks them before it needs a kernel)."""
+    if isa not in ISAS:
+        raise ValueError(f"cpu_isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    for name, value, least in (("cpu_amx_min_tokens", amx_min_tokens, 0), ("cpu_chunks", chunks, 1),
+                               ("cpu_prefetch_distance", prefetch_distance, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not isinstance(spin_us, (int, float)) or not 0 <= spin_us < float("inf"):
+        raise ValueError(f"cpu_spin_us must be a number of microseconds >= 0, got {spin_us!r}")
+
+
 class CpuExpertKernel:
     """Computes batches of (expert, tokens) SwiGLU jobs of one MoE layer on the CPU.
 
@@ -237,42 +244,47 @@ class CpuExpertKernel:
     name: str  # "amx" (AVX-512 BF16 + AMX for jobs with many tokens), "avx512_bf16", "portable" or "torch"
     num_threads: int
 
-    def __init__(self, num_threads: int | None = None, force_portable: bool = False,
-                 amx_min_tokens: int | None = None):
-        """num_threads: workers (default: physical cores available, or OLED_CPU_THREADS); force_portable: plain C
-        path; amx_min_tokens: jobs with at least this many tokens use AMX when the CPU has it (0: never)."""
+    def __init__(self, num_threads: int | None = None, isa: str = "auto", amx_min_tokens: int = _AMX_MIN_TOKENS,
+                 pin: bool = True, spin_us: float = 50.0, chunks: int = 4, prefetch: bool = True,
+                 prefetch_distance: int = 4):
+        """num_threads: workers (default: the physical cores available); isa: "auto" (the fastest the CPU has),
+        "avx512_bf16" (no AMX) or "portable" (plain C); amx_min_tokens: jobs with at least this many tokens use AMX
+        (0: never); pin: workers pinned to the last physical cores; spin_us: how long an idle worker polls before it
+        sleeps; chunks: work chunks per worker and call; prefetch / prefetch_distance: software prefetch of the
+        weight tiles, this many ahead (EngineConfig's cpu_* fields)."""
+        check_knobs(isa, amx_min_tokens, spin_us, chunks, prefetch_distance)
+        self.knobs = dict(isa=isa, amx_min_tokens=amx_min_tokens, pin=bool(pin), spin_us=float(spin_us),
+                          chunks=chunks, prefetch=bool(prefetch), prefetch_distance=prefetch_distance)
         cores, siblings = physical_cpus()
         if num_threads is None:
-            num_threads = int(os.environ.get("OLED_CPU_THREADS", 0)) or len(cores)
+            num_threads = len(cores)
         self.num_threads = max(1, int(num_threads))
         self._lock = threading.Lock()
         self._pool = None
         self.cpus: list[int] = []
         lib = _load_library()
         self._lib = lib
-        force_portable = force_portable or os.environ.get("OLED_CPU_KERNEL", "").lower() == "portable"
+        force_portable = isa == "portable"
         self.amx_min_tokens = 0
         if lib is None:
             self.name = "torch"
             log.warning("CPU expert kernel: torch fallback (%s)", _lib_error)
             return
+        lib.oled_set_prefetch(int(bool(prefetch)))       # library-wide: one kernel per engine
+        lib.oled_set_pf_dist(int(prefetch_distance))
         fast = bool(lib.oled_compiled_fast()) and bool(lib.oled_has_avx512bf16()) and "avx512_bf16" in cpu_flags()
-        env = os.environ.get("OLED_CPU_KERNEL", "").lower()
-        if amx_min_tokens is None:
-            amx_min_tokens = int(os.environ.get("OLED_CPU_AMX_MIN_TOKENS", _AMX_MIN_TOKENS))
-        amx = (fast and amx_min_tokens > 0 and env != "avx512_bf16" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+        amx = (fast and amx_min_tokens > 0 and isa != "avx512_bf16" and {"amx_tile", "amx_bf16"} <= cpu_flags()
                and bool(lib.oled_compiled_amx()) and bool(lib.oled_has_amx()))
         self.amx_min_tokens = amx_min_tokens if amx else 0
         self.name = "portable" if not fast or force_portable else "amx" if amx else "avx512_bf16"
         self._mode = {"portable": 0, "avx512_bf16": 1, "amx": 2}[self.name]
-        self._chunks = int(os.environ.get("OLED_CPU_CHUNKS", 4))
+        self._chunks = int(chunks)
 
         # Pin to the LAST physical cores: core 0 tends to take interrupts and the main (GPU-launching) thread.
         # More threads than cores spill onto hyperthread siblings.
         order = cores[::-1] + siblings[::-1]
-        pin = os.environ.get("OLED_CPU_PIN", "1") != "0"
         self.cpus = [order[i % len(order)] if pin and order else -1 for i in range(self.num_threads)]
-        spin_ns = int(float(os.environ.get("OLED_CPU_SPIN_US", 50)) * 1000)
+        spin_ns = int(float(spin_us) * 1000)
         arr = (ctypes.c_int * self.num_threads)(*self.cpus)
         self._pool = lib.oled_pool_create(self.num_threads, arr, spin_ns)
         if not self._pool:
@@ -343,7 +355,7 @@ class CpuExpertKernel:
         """Keep the idle workers polling for the next `seconds` (0: let them sleep after the usual short spin). A hold
         wakes sleeping workers at once, so that their wake-up (hundreds of µs for 15 threads on a virtual machine)
         overlaps the caller's other work instead of delaying its next call: the engine calls it ahead of a layer's
-        CPU job (OLED_CPU_WAKE in runtime/manager.py). The deadline bounds the polling if a hold is never ended."""
+        CPU job (EngineConfig.cpu_wake, runtime/manager.py). The deadline bounds the polling if a hold is never ended."""
         if self._lib is not None and self._pool is not None:
             self._lib.oled_pool_hold(self._pool, int(seconds * 1e9))
 

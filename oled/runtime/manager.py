@@ -8,7 +8,6 @@ With a static all-resident policy (`full`) there is nothing to decide and no hos
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import CPU_WAKE_MODES
 from ..policies.base import ForwardInfo, IterationEvent, Policy
 from .budget import ExpertBudget
 from .cost_model import CostModel
@@ -27,20 +27,20 @@ from .store import ExpertStore
 from .timer import SectionTimer
 
 
-# How the CPU kernel's workers are ready for the engine's calls, one per layer with CPU work (OLED_CPU_WAKE):
+# How the CPU kernel's workers are ready for the engine's calls, one per layer with CPU work (EngineConfig.cpu_wake):
 #   layer    woken when a layer's routing is read back, so that their wake-up overlaps the wait for the GPU, if the
 #            layer had CPU work the last time it ran (waking them for nothing slows the main thread); they poll for
 #            LAYER_HOLD_S, then sleep
 #   forward  polling through each forward (at most FORWARD_HOLD_S, which bounds an exception mid-forward)
 #   off      woken by each call
-WAKE_MODES = ("layer", "forward", "off")
+WAKE_MODES = CPU_WAKE_MODES
 LAYER_HOLD_S = 0.001
 FORWARD_HOLD_S = 1.0
 
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
-                 timer: SectionTimer | None = None, costs: CostModel | None = None):
+                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0]):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -59,9 +59,9 @@ class ExpertManager:
                                   # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
         self._cpu_last_time: dict[int, bool] = {}           # layer -> it had CPU work the last time it ran
-        self.cpu_wake = os.environ.get("OLED_CPU_WAKE", WAKE_MODES[0])
-        if self.cpu_wake not in WAKE_MODES:
-            raise ValueError(f"OLED_CPU_WAKE must be one of {', '.join(WAKE_MODES)}, got {self.cpu_wake!r}")
+        if cpu_wake not in WAKE_MODES:
+            raise ValueError(f"cpu_wake must be one of {', '.join(WAKE_MODES)}, got {cpu_wake!r}")
+        self.cpu_wake = cpu_wake
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
