@@ -61,6 +61,8 @@ class Engine:
             raise ValueError(f"cpu_wake must be one of {', '.join(CPU_WAKE_MODES)}, got {cfg.cpu_wake!r}")
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
+        if cfg.fused_router:
+            self._check_fused_router_runs()
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
@@ -150,12 +152,10 @@ class Engine:
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.predicted_routing
 
-    def _use_fused_router(self) -> None:
+    def _check_fused_router_runs(self) -> None:
+        """Before any loading: Triton is there and can run on this device."""
         from .kernels import triton_support
 
-        if self.config.router != "sigmoid_group":
-            raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {self.model_name} routes "
-                             f"with {self.config.router}")
         if not triton_support.available():
             raise ValueError("--fused-router needs Triton and a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU "
                              "interpreter)")
@@ -164,6 +164,11 @@ class Engine:
             if not triton_support.interpreted(router_kernel.sigmoid_group_route_kernel):
                 raise ValueError(f"--fused-router needs a CUDA device (the engine runs on {self.device}), or "
                                  f"TRITON_INTERPRET=1")
+
+    def _use_fused_router(self) -> None:
+        if self.config.router != "sigmoid_group":
+            raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {self.model_name} routes "
+                             f"with {self.config.router}")
         for block in self.model.moe_blocks():
             block.fused_router = True
 
