@@ -17,7 +17,7 @@ from .policies import POLICIES, make_policy, policy_options
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
 from .runtime.host_memory import check_host_memory
-from .runtime.manager import ExpertManager
+from .runtime.manager import ExpertManager, check_cpu_wake
 from .runtime.threads import plan_threads
 from .runtime.timer import SectionTimer
 from .synth import build_tokenizer, preset_config, random_tensors
@@ -55,10 +55,8 @@ class Engine:
         if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
             raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
                              "its misses itself")
-        from .config import CPU_WAKE_MODES
         from .runtime.cpu_kernel import check_knobs
-        if cfg.cpu_wake not in CPU_WAKE_MODES:
-            raise ValueError(f"cpu_wake must be one of {', '.join(CPU_WAKE_MODES)}, got {cfg.cpu_wake!r}")
+        check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
         if cfg.fused_router:

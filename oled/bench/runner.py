@@ -450,21 +450,20 @@ class Bench:
                 decode=_decode_dict(self.cfg.decode, engine), prompts=[],
                 bench={"seed": self.cfg.seed, "reference": "full",
                        "timing": "none (replay of the reference pass's routing)"},
-                h2d_copy_gbps=None, cost_model=None)
+                extra={"h2d_copy_gbps": None, "cost_model": None})
 
-    def _add_simulated_row(self, mode, wl_name, workload, spec, options, budget, b, stats, metrics, *, bench,
-                           **fields) -> None:
-        """A result line without timings (a bound or a replay): one pass, its statistics, the fields given."""
+    def _add_simulated_row(self, mode, wl_name, workload, spec, options, budget, b, stats, metrics, *, model, engine,
+                           decode, bench, prompts, extra=None) -> None:
+        """A result line without timings (a bound or a replay): one pass, its statistics; `extra`: more fields."""
         row = {"schema": SCHEMA, "run_id": f"{wl_name}|{spec.label}|{budget}", "mode": mode, "status": "ok",
                "label": self.env["label"], "timestamp": now(), "workload": workload,
                "policy": spec.name, "policy_label": spec.label, "policy_options": options, "budget": budget,
                "budget_fraction": b.fraction, "slots_per_layer": b.slots_per_layer, "budget_bytes": b.bytes,
-               **{k: fields.pop(k) for k in ("model", "engine", "decode")},
+               "model": model, "engine": engine, "decode": decode,
                "bench": {"repeats": 1, "warmup_prompts": 0, "profiled_pass": False, **bench},
                "env": self.env, "metrics": {k: aggregate([metrics.get(k)]) for k in METRICS},
-               "sections_per_iteration_ms": None, **fields,
-               "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {})}
-        row["prompts"] = row.pop("prompts", [])
+               "sections_per_iteration_ms": None, **(extra or {}),
+               "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {}), "prompts": prompts}
         self.rows.append(row)
         self._append("results.jsonl", row)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.router import gate_logits
 from .triton_support import available, check_device, interpreted
 
 __all__ = ["available", "sigmoid_group_route", "sigmoid_group_route_logits"]
@@ -31,25 +32,12 @@ __all__ = ["available", "sigmoid_group_route", "sigmoid_group_route_logits"]
 _BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def sigmoid_group_route(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    expert_bias: torch.Tensor | None,
-    *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    norm_topk_prob: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same signature and results as oled.models.router.sigmoid_group_route (see the module docstring on ties).
-
-    hidden [T, H], weight [E, H], expert_bias [E] or None -> ids [T, k] int64, weights [T, k] fp32.
-    """
-    logits = hidden.float() @ weight.float().t()     # the reference's gate GEMM, op for op
-    return sigmoid_group_route_logits(
-        logits, expert_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
+def sigmoid_group_route(hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None,
+                        **routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same arguments and results as oled.models.router.sigmoid_group_route (see the module docstring on ties): its
+    gate GEMM, then the kernel. hidden [T, H], weight [E, H], expert_bias [E] or None; routing: top_k, n_group,
+    topk_group, routed_scaling_factor, norm_topk_prob -> ids [T, k] int64, weights [T, k] fp32."""
+    return sigmoid_group_route_logits(gate_logits(hidden, weight), expert_bias, **routing)
 
 
 def sigmoid_group_route_logits(

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def gate_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """LLaDA2's gate logits [T, E], in fp32 (the fused router computes them the same way, op for op)."""
+    return hidden.float() @ weight.float().t()
+
+
 def sigmoid_group_route(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -29,8 +34,7 @@ def sigmoid_group_route(
     hidden [T, H], weight [E, H], expert_bias [E] (any dtype; used at its own precision) -> ids [T, k] (int64),
     weights [T, k] (fp32).
     """
-    logits = hidden.float() @ weight.float().t()
-    scores = torch.sigmoid(logits)
+    scores = torch.sigmoid(gate_logits(hidden, weight))
     choice = scores if expert_bias is None else scores + expert_bias.float()
     num_tokens, num_experts = choice.shape
     if n_group > 1:
@@ -71,11 +75,10 @@ def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch
     bias = expert_bias if config.use_expert_bias else None
     if config.router == "sigmoid_group":
         if fused:
-            from ..kernels.triton_router import sigmoid_group_route as fused_route
-            return fused_route(
-                hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
-                routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
-        return sigmoid_group_route(
+            from ..kernels.triton_router import sigmoid_group_route as group_route
+        else:
+            group_route = sigmoid_group_route
+        return group_route(
             hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
             routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
     return softmax_route(hidden, weight, bias, top_k=config.top_k)

@@ -35,6 +35,12 @@ from .timer import SectionTimer
 #   off      woken by each call
 WAKE_MODES = CPU_WAKE_MODES
 LAYER_HOLD_S = 0.001
+
+
+def check_cpu_wake(mode: str) -> None:
+    if mode not in WAKE_MODES:
+        raise ValueError(f"cpu_wake must be one of {', '.join(WAKE_MODES)}, got {mode!r}")
+
 FORWARD_HOLD_S = 1.0
 
 
@@ -59,8 +65,7 @@ class ExpertManager:
                                   # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
         self._cpu_last_time: dict[int, bool] = {}           # layer -> it had CPU work the last time it ran
-        if cpu_wake not in WAKE_MODES:
-            raise ValueError(f"cpu_wake must be one of {', '.join(WAKE_MODES)}, got {cpu_wake!r}")
+        check_cpu_wake(cpu_wake)
         self.cpu_wake = cpu_wake
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")

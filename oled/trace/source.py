@@ -57,8 +57,7 @@ class TraceSource:
 
     def __init__(self, trace: Trace, config, device):
         check_compatible(trace, config)
-        self.trace, self.config = trace, config
-        t = trace
+        self.trace = t = trace
         self.layers = list(config.moe_layers)
         self.position = {layer: p for p, layer in enumerate(self.layers)}
         L, k = len(self.layers), config.top_k
