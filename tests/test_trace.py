@@ -201,3 +201,22 @@ def test_bad_trace_file(tmp_path):
         Trace.load(bad)
     with pytest.raises(ValueError):
         Trace.load(tmp_path / "missing.trace")
+
+
+def test_first_requests_of_a_trace(lru_trace, tmp_path, capsys):
+    """A trace cut to its first request replays to the live run's records of that request, and drives a model."""
+    from oled.cli import main
+
+    trace, _, live_rows = lru_trace
+    assert trace.num_requests == 2
+    path = tmp_path / "first.trace"
+    assert main(["trace", "--report", str(trace.save(tmp_path / "t.trace")), "--first", "1", "--out", str(path)]) == 0
+    first = Trace.load(path)
+    assert first.num_requests == 1 and first.header["requests"] == trace.header["requests"][:1]
+    assert np.array_equal(first.output_ids(0), trace.output_ids(0))
+    rows = replay(first, "lru", "0.5").stats.to_rows()
+    assert 0 < len(rows) < len(live_rows) and rows == live_rows[:len(rows)]
+    assert len(first.ev_block) < len(trace.ev_block) and first.ev_token.shape == first.ev_state.shape
+    capsys.readouterr()
+    assert main(["trace", "--report", str(path), "--first", "2", "--out", str(tmp_path / "x.trace")]) == 2
+    assert "cannot keep 2" in capsys.readouterr().err

@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
                    help="do not record the next layer's predicted routing (replaying `prefetch` then uses the "
                         "actual routing of the next layer as its prediction)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--first", type=int, metavar="N",
+                   help="with --report TRACE and --out FILE: write the trace of TRACE's first N requests to FILE")
     p.add_argument("--predictor", action="store_true",
                    help="the reuse predictor's report instead of the locality report: AUC of OLED's scores for the "
                         "next iteration's experts, retained sets of oled, lru, lfu, tide and belady per budget")
@@ -46,7 +48,15 @@ def run(args) -> int:
 
     if args.report:
         trace = Trace.load(args.report)
+        if args.first is not None:
+            if not args.out:
+                raise ValueError("--first N writes a smaller trace: give --out FILE")
+            trace = trace.first_requests(args.first)
+            path = trace.save(args.out)
+            print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): {trace.describe()}", file=sys.stderr)
     else:
+        if args.first is not None:
+            raise ValueError("--first N takes the trace to shorten from --report TRACE")
         if not args.out:
             raise ValueError("give --out FILE (the trace to write) or --report TRACE")
         trace = _record(args)

@@ -160,6 +160,34 @@ class Trace:
                 f"{h['live'].get('budget_fraction', 0):.0%} ({h['live'].get('slots_per_layer')} slots per layer) on "
                 f"{h['env']['label']}")
 
+    def first_requests(self, n: int) -> "Trace":
+        """The trace of its first n requests (a smaller file for the same runs; the header's `live` statistics stay
+        those of the whole recording and say so)."""
+        if not 1 <= n <= self.num_requests:
+            raise ValueError(f"the trace has {self.num_requests} requests; cannot keep {n}")
+        if n == self.num_requests:
+            return self
+        cut = int(np.flatnonzero((self.ops[:, 0] == REQUEST) & (self.ops[:, 1] == n))[0])   # request n starts here
+        ops = self.ops[:cut]
+        F = int((ops[:, 0] == BEGIN).sum())
+        R = int((ops[:, 0] == RUN).sum())
+        V = int((ops[:, 0] == EVENT).sum())
+        rows, pred_rows, ev_rows = int(self.run_offset[R]), int(self.pred_offset[R]), int(self.ev_offset[V])
+        prompt_end, output_end = int(self.req_prompt_offset[n]), int(self.req_output_offset[n])
+        header = dict(self.header, requests=list(self.header.get("requests", []))[:n],
+                      subset=f"the first {n} of {self.num_requests} requests; `live` covers all of them")
+        return Trace(header=header, ops=ops, fwd_kind=self.fwd_kind[:F], fwd_start=self.fwd_start[:F],
+                     fwd_tokens=self.fwd_tokens[:F], fwd_block_start=self.fwd_block_start[:F],
+                     run_layer=self.run_layer[:R], run_forward=self.run_forward[:R],
+                     run_offset=self.run_offset[:R + 1], ids=self.ids[:rows], weights=self.weights[:rows],
+                     pred_offset=self.pred_offset[:R + 1], pred_ids=self.pred_ids[:pred_rows],
+                     ev_forward=self.ev_forward[:V], ev_block=self.ev_block[:V], ev_step=self.ev_step[:V],
+                     ev_iteration=self.ev_iteration[:V], ev_done=self.ev_done[:V], ev_offset=self.ev_offset[:V + 1],
+                     ev_state=self.ev_state[:ev_rows], ev_conf=self.ev_conf[:ev_rows],
+                     ev_token=None if self.ev_token is None else self.ev_token[:ev_rows],
+                     req_prompt_offset=self.req_prompt_offset[:n + 1], req_prompt_ids=self.req_prompt_ids[:prompt_end],
+                     req_output_offset=self.req_output_offset[:n + 1], req_output_ids=self.req_output_ids[:output_end])
+
     # ------------------------------------------------------------------------------------------------ files
     def save(self, path) -> Path:
         path = Path(path)
