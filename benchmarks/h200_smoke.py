@@ -43,7 +43,7 @@ COOP = {"misses": "cooperative"}     # lru with the planner splitting misses bet
 POLICIES = [] if QUICK else [("lru", "0.25", {}), ("prefetch", "0.25", {}), ("tide", "0.25", {}),
                              ("fiddler", "0.25", {}), ("lru", "0.25", COOP), ("oled-retain", "0.25", {}),
                              ("oled", "0.25", {}), ("oled-coop", "0.25", {})]
-SEGMENTED = [("lru", "0.25", {})] + ([] if QUICK else [("tide", "0.25", {}), ("lru", "0.25", COOP),
+SEGMENTED = [("lru", "0.25", {})] + ([] if QUICK else [("prefetch", "0.25", {}), ("tide", "0.25", {}), ("lru", "0.25", COOP),
                                                         ("oled", "0.25", {})])
 for policy, budget, options in POLICIES:
     try:

@@ -10,10 +10,11 @@ GPU work (benchmarks/profile_forward.py); replays took `full` there from 7.2 to 
 
 An offloaded forward needs the host twice per MoE layer: to decide (the routing picks copies and CPU jobs) and to
 finish (further waves, prefetches, CPU results). With `segmented` the forward is captured as segments that end
-where the manager needs the host: a replay runs a segment (attention, router, ...), the manager's decisions
-eagerly, which write the first wave's slot per pair into a buffer the next segment reads, that segment (the
-layer's grouped expert compute), the manager's finish eagerly, which writes its rows into the segment's output,
-and the next segment (the combine, the next attention, ...), and so on.
+where the manager needs the host: a replay runs a segment (attention, router, the routing's read-back, the hits
+computed from the device slot map), the manager's decisions eagerly while those hits run, which write the first
+wave's slot per pair into a buffer the next segment reads, that segment (the loads' grouped compute; skipped when
+the layer loads nothing), the manager's finish eagerly, which writes its rows into the pair outputs, and the next
+segment (the combine, the next attention, ...), and so on.
 
 Steady-state iterations (logits for every token run) are captured at their first use, any other shape at its
 second (a one-off shape would not repay its capture); captured shapes are replayed from then on. A replay runs the
@@ -36,6 +37,7 @@ log = logging.getLogger("oled")
 class CudaGraphBackend:
     """Segments are torch.cuda.CUDAGraph captures sharing one memory pool per forward; captures run on a side stream
     (capture is not allowed on the default stream)."""
+    needs_eager_first = True
 
     def __init__(self):
         self.stream = None
@@ -92,6 +94,9 @@ class ForwardGraphs:
         self.seen: set[tuple] = set()
         self.kv: KVCache | None = None
         self.enabled = True
+        # no capture before one eager forward where the backend needs it: cuBLAS creates its handles on first use,
+        # which a capture does not allow (a short prompt's first forward is already a steady-state iteration)
+        self.warmed = not getattr(self.backend, "needs_eager_first", False)
         self.captures = self.replays = 0
 
     def kv_cache(self, length: int) -> KVCache:
@@ -110,7 +115,8 @@ class ForwardGraphs:
 
     def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None,
                  block_length: int | None = None):
-        if not self.enabled or kv is not self.kv:
+        if not self.enabled or kv is not self.kv or not self.warmed:
+            self.warmed = self.warmed or kv is self.kv
             return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
         # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key
         key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step),
@@ -173,28 +179,31 @@ def _steady(rows: slice | None) -> bool:
 
 
 class _Decide:
-    """Host step one of an offloaded layer: the manager's decisions on the segment's outputs (x, routing); the first
-    wave's slot per pair goes into `pair_slots`, which the next segment reads."""
-    __slots__ = ("layer", "x", "ids", "weights", "pair_slots", "work")
+    """Host step one of an offloaded layer: the manager's decisions once the segment has read the routing back and
+    computed the hits; the first wave's slot per pair goes into `load_slots`, which the next segment reads. That
+    segment is skipped when the wave has nothing to compute."""
+    __slots__ = ("layer", "x", "load_slots", "work")
 
-    def __init__(self, layer, x, ids, weights):
-        self.layer, self.x, self.ids, self.weights, self.work = layer, x, ids, weights, None
-        self.pair_slots = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
+    def __init__(self, layer, x, ids):
+        self.layer, self.x, self.work = layer, x, None
+        self.load_slots = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
 
-    def run(self, manager) -> None:
-        self.work = manager.begin_offloaded(self.layer, self.x, self.ids, self.weights, slots_out=self.pair_slots)
+    def run(self, manager) -> bool:
+        self.work = manager.decide_offloaded(self.layer, self.x, self.load_slots)
+        return self.work.loads_first
 
 
 class _Finish:
-    """Host step two: the manager's finish of the layer, writing into the first wave's output rows."""
+    """Host step two: the manager's finish of the layer, writing into the pair outputs."""
     __slots__ = ("decide", "y_pairs")
 
     def __init__(self, decide: _Decide, y_pairs):
         self.decide, self.y_pairs = decide, y_pairs
 
-    def run(self, manager) -> None:
+    def run(self, manager) -> bool:
         manager.end_offloaded(self.decide.work, self.decide.x, self.y_pairs)
         self.decide.work = None
+        return True
 
 
 class _Forward:
@@ -231,15 +240,18 @@ class _Forward:
 
     def boundary(self, manager):
         def host_steps(layer, x, ids, weights):
-            # The segment so far (up to this layer's router) is captured and replayed: x and ids now hold real
-            # values. The decisions run eagerly (their slot buffer is allocated outside any capture, so no segment's
-            # memory pool owns it); the first wave's compute is a segment of its own; the finish runs eagerly on its
-            # output; the combine opens the next segment.
+            # The segment so far issues this layer's routing read-back and computes its hits; it is captured and
+            # replayed, so the host step sees real values. The decisions run eagerly (their slot buffer is
+            # allocated outside any capture, so no segment's memory pool owns it); the first wave's loads are a
+            # segment of their own (captured even when this forward loads nothing: a later replay may); the finish
+            # runs eagerly on the pair outputs; the combine opens the next segment.
+            y_pairs = manager.begin_offloaded(layer, x, ids, weights)
             self.end_segment()
-            decide = self.steps[-1] = _Decide(layer, x, ids, weights)
-            decide.run(manager)
+            decide = self.steps[-1] = _Decide(layer, x, ids)
+            if not decide.run(manager):
+                decide.load_slots.fill_(-1)     # the capture runs the segment: with nothing to compute in it
             self.begin_segment()
-            y_pairs = manager.first_wave(layer, x, decide.pair_slots)
+            manager.load_wave(layer, x, decide.load_slots, y_pairs)
             self.end_segment()
             finish = self.steps[-1] = _Finish(decide, y_pairs)
             finish.run(manager)
@@ -249,10 +261,11 @@ class _Forward:
 
     @torch.inference_mode()
     def replay(self, manager):
+        run = True
         for seg, step in zip(self.segments, self.steps):
-            seg.replay()
-            if step is not None:
-                step.run(manager)
+            if run:                 # a segment runs unless the host step before it says it has nothing to do
+                seg.replay()
+            run = step.run(manager) if step is not None else True
         manager.log_routing(self.routing)
         return self.out
 

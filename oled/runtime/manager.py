@@ -1,9 +1,11 @@
 """ExpertManager: runs a MoE layer's routed experts from the GPU expert cache, the copy engine and the CPU.
 
-Per layer: learn the routing on the host (the one round trip offloading needs), ask the policy which misses to
-load and which to compute on the CPU, issue the layer's copies together on the copy stream, start the CPU jobs,
-run one grouped computation over the slots in use (waiting only for this layer's copies), and combine every
-(token, expert) output in routing order, so the result does not depend on where an expert ran.
+Per layer: issue the routing's read-back and, without waiting for the host, compute every pair whose expert the
+device slot map holds (the hits); meanwhile the host learns the routing, asks the policy which misses to load and
+which to compute on the CPU, issues the layer's copies together on the copy stream and starts the CPU jobs; then
+one grouped computation over the loaded slots (waiting only for this layer's copies), and the combine of every
+(token, expert) output in routing order, so the result does not depend on where an expert ran. The host's
+decisions overlap the hits' compute instead of holding the GPU idle.
 With a static all-resident policy (`full`) there is nothing to decide and no host round trip at all.
 """
 from __future__ import annotations
@@ -73,7 +75,17 @@ class ExpertManager:
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
                                    top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs)
         self._place_initial()
-        self.slot_lut = self.cache.slot_table(self.config.num_experts) if policy.static_full else None
+        # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
+        # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
+        self.slot_map = self.cache.slot_table(self.config.num_experts)
+        self._ready = self.slot_map.cpu().numpy().copy()
+        self._slot_staging = (torch.empty((len(self.layers), 2, self.config.num_experts), dtype=torch.int64,
+                                          pin_memory=True) if self.cuda else None)
+        self._slot_flip = [0] * len(self.layers)
+        self._routing_events: dict[int, torch.cuda.Event] = {}
+        # (layer, tokens) -> the buffers its routing is read back into and their event: fixed, so that a graph
+        # replaying the read-back writes where the host step reads
+        self._readback: dict[tuple[int, int], tuple] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._routing_log: list[tuple[int, torch.Tensor]] = []   # static path: routing kept on device until the
                                                                  # forward ends, then recorded in one transfer
@@ -144,8 +156,8 @@ class ExpertManager:
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
         if self.policy.static_full:
-            pair_slots = self.slot_lut[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-            y_pairs = self.first_wave(layer, x, pair_slots)      # every expert is resident: one wave
+            pair_slots = self.slot_map[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
+            y_pairs = self._grouped_all(layer, x, pair_slots)      # every expert is resident: one wave
             self._routing_log.append((layer, ids))
             return self.combine(y_pairs, weights)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
@@ -153,57 +165,88 @@ class ExpertManager:
         return self.run_offloaded(layer, x, ids, weights)
 
     def run_offloaded(self, layer, x, ids, weights):
-        """The offloaded path: a host round trip for the routing, then copies, CPU jobs and grouped compute. Three
-        parts, so that a segmented CUDA graph (decoding/graphs.py) replays the device-only middle one: the host
-        decisions, the first wave's grouped compute (every hit and the first loads), and the host's finish (further
-        waves, prefetches, CPU results)."""
-        work = self.begin_offloaded(layer, x, ids, weights)
-        y_pairs = self.first_wave(layer, x, work.pair_slots)
+        """The offloaded path, in four parts, so that a segmented CUDA graph (decoding/graphs.py) replays the two
+        device parts and runs the two host parts eagerly between them:
+          1. device: the routing's read-back is issued, then every pair whose expert is ready in the device slot map
+             is computed, while the host waits only for the read-back and decides (hits cost no host decision);
+          2. host: the policy decides the misses; copies and CPU jobs start; the first wave's loads get slots;
+          3. device: the first wave's loads are computed (skipped when the layer loads nothing);
+          4. host: further waves, prefetches for the next layer, statistics, the CPU jobs' results."""
+        y_pairs = self.begin_offloaded(layer, x, ids, weights)
+        load_slots = self._staging_device(f"load_slots{layer}", ids.numel())
+        work = self.decide_offloaded(layer, x, load_slots)
+        if work.loads_first:
+            self.load_wave(layer, x, load_slots, y_pairs)
         self.end_offloaded(work, x, y_pairs)
         return self.combine(y_pairs, weights)
 
-    def begin_offloaded(self, layer, x, ids, weights, slots_out: torch.Tensor | None = None) -> "OffloadedLayer":
-        """Host part one: read the routing back, let the policy decide, issue the first wave's copies and the CPU
-        jobs, and put the first wave's slot of every pair (-1: served later) in a device tensor (slots_out if
-        given: the buffer a replayed graph reads)."""
-        if self.cpu_kernel is not None and self.cpu_wake == "layer" and self._cpu_last_time.get(layer, True):
-            self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's round trip
+    def begin_offloaded(self, layer, x, ids, weights) -> torch.Tensor:
+        """Device part one: issue the routing's read-back into pinned buffers (with an event the host waits on), then
+        compute every pair whose expert the device slot map holds. Returns the pair outputs ([T*k, H]; rows of pairs
+        served later are unspecified until then)."""
         nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
-        # Prefetch: the next layer's router on this layer's input, brought back in the same round trip. Fetching it
-        # after this layer's experts were launched would make the host wait for them (an in-order stream), so the
-        # prefetch copies could not overlap this layer's compute.
+        # Prefetch: the next layer's router on this layer's input, brought back in the same read-back.
         ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
-        ids_h, weights_h, predicted = self._read_routing(ids, weights, ids_next)   # the host round trip
+        tensors = [ids, weights.float()] + ([ids_next] if ids_next is not None else [])
+        if self.policy.uses_cpu:
+            tensors.append(x)                     # the CPU path's input, on the host with the routing
+        # one set of buffers per (layer, tokens), whichever graph or eager forward writes them
+        bufs = [self._staging(f"routing{layer}.{i}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
+                for i, t in enumerate(tensors)]
+        ready = None
+        if self.cuda:
+            ready = self._routing_events.get(layer)
+            if ready is None:       # external: recorded by every replay of a graph that captured it
+                ready = self._routing_events[layer] = torch.cuda.Event(external=True)
+            ready.record()
+        self._readback[layer, x.shape[0]] = (bufs, ready, ids_next is not None)
+        pair_slots = self.slot_map[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
+        return self._grouped_all(layer, x, pair_slots)
+
+    def _read_routing(self, layer, tokens: int):
+        """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
+        waits for the read-back begin_offloaded issued. Returns fresh arrays (a policy may keep them)."""
+        bufs, ready, has_prediction = self._readback[layer, tokens]
+        if ready is not None:
+            ready.synchronize()
+        host = [b.numpy().copy() for b in bufs[:2 + has_prediction]]
+        x_host = bufs[-1] if self.policy.uses_cpu else None
+        return host[0], host[1], (host[2] if has_prediction else None), x_host
+
+    def decide_offloaded(self, layer, x, load_slots: torch.Tensor) -> "OffloadedLayer":
+        """Host part one: read the routing back, let the policy decide, start the CPU jobs, issue the first wave's
+        copies and put each pair's slot in that wave (-1: computed already, or later) into load_slots."""
+        if self.cpu_kernel is not None and self.cpu_wake == "layer" and self._cpu_last_time.get(layer, True):
+            self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's wait
+        ids_h, weights_h, predicted, x_host = self._read_routing(layer, x.shape[0])
         flat = ids_h.reshape(-1)
+        computed = self._ready[self.layer_pos[layer]].copy()        # the device slot map the hits were computed with
         step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
         cpu = step.decision.cpu
         self._cpu_last_time[layer] = bool(cpu)
-        cpu_job = self._start_cpu(layer, x, flat, cpu, copying=bool(step.decision.load)) if cpu else None
-        # Waves: hits plus as many loads as the layer's slots hold; more loads than slots run in further waves.
+        cpu_job = self._start_cpu(layer, x_host, flat, cpu, copying=bool(step.decision.load)) if cpu else None
         waves = self.residency.waves(step)
-        slots_np, _ = self._issue_wave(layer, flat, next(waves))
-        pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
-        if slots_out is not None:
-            pair_slots = slots_out.copy_(pair_slots)
-        return OffloadedLayer(layer, flat, step, waves, cpu_job, pair_slots)
+        first = next(waves)
+        # the first wave computes its loads, and the hits that were not ready in the device slot map (a prefetch's
+        # copy the compute had not waited for yet)
+        late_hits = [e for e in step.hits if computed[e] < 0]
+        slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits)
+        if n_valid:
+            load_slots.copy_(torch.from_numpy(slots_np).to(x.device, non_blocking=True))
+        self._sync_slot_map(layer)
+        return OffloadedLayer(layer, flat, step, waves, cpu_job, loads_first=bool(n_valid))
 
-    def _read_routing(self, ids, weights, ids_next):
-        """The layer's routing (and the next layer's predicted ids) on the host: copies into pinned buffers and one
-        wait for them. Returns fresh arrays (a policy may keep them)."""
-        tensors = [ids, weights.float()] + ([ids_next] if ids_next is not None else [])
-        if not self.cuda:
-            host = [t.numpy().copy() for t in tensors]
-        else:
-            bufs = [self._staging(f"routing{i}", t.shape, t.dtype).copy_(t, non_blocking=True)
-                    for i, t in enumerate(tensors)]
-            torch.cuda.current_stream(self.device).synchronize()
-            host = [b.numpy().copy() for b in bufs]
-        return host[0], host[1], (host[2] if ids_next is not None else None)
+    def load_wave(self, layer, x, load_slots, y_pairs) -> None:
+        """Device part two: the first wave's loads, into their rows of y_pairs (every other row kept). Static
+        shapes, so a graph replays it."""
+        with self._section("gpu_experts"):
+            y = torch.empty_like(y_pairs)
+            self._grouped(layer, x, load_slots, y, n_valid=None)
+            torch.where((load_slots >= 0).unsqueeze(-1), y, y_pairs, out=y_pairs)
 
-    def first_wave(self, layer, x, pair_slots) -> torch.Tensor:
-        """Device part: the first wave's grouped compute over the layer's slots, one output row per (token, expert)
-        pair. Rows of pairs served later (slot -1) are left unspecified here and written by end_offloaded; the
-        kernels and shapes do not depend on the routing, so a graph replays them."""
+    def _grouped_all(self, layer, x, pair_slots) -> torch.Tensor:
+        """The grouped compute of the pairs with a slot, one output row per (token, expert) pair; rows of pairs
+        without one are unspecified. The kernels and shapes do not depend on the routing, so a graph replays them."""
         y_pairs = torch.empty(pair_slots.shape[0], self.hidden, dtype=x.dtype, device=x.device)
         self._grouped(layer, x, pair_slots, y_pairs, n_valid=None)
         return y_pairs
@@ -218,26 +261,54 @@ class ExpertManager:
                 pair_slots = torch.from_numpy(slots_np).to(x.device, non_blocking=True)
                 self._grouped(work.layer, x, pair_slots, y_pairs, n_valid)
                 self._mark_layer_done(work.layer)
+        self._sync_slot_map(work.layer)
         nxt, wanted, slots = self.residency.prefetch(work.step)   # after this layer's copies: its misses go first
         if wanted:
             self._copy(nxt, wanted, slots)
+            self._sync_slot_map(nxt)
         self.residency.end_layer(work.step)
         if work.cpu_job is not None:
             self._finish_cpu(work.cpu_job, y_pairs, work.step.rec)
 
-    def _issue_wave(self, layer, flat, wave) -> tuple[np.ndarray, int]:
-        """Copy a wave's loads and make the compute wait for them; returns each pair's slot in this wave (-1: not
-        in it) and the number of pairs the wave serves."""
+    def _issue_wave(self, layer, flat, wave: Wave, late_hits=()) -> tuple[np.ndarray, int]:
+        """Copy a wave's loads and make the compute wait for them; returns each pair's slot if its expert is one of
+        the loads or `late_hits` (-1: not computed in this wave) and the number of pairs served."""
         self._copy(layer, wave.loads, wave.slots)
-        slot_lut = np.full(self.config.num_experts, -1, dtype=np.int64)   # this wave's experts -> slots
+        experts = wave.loads + list(late_hits)
+        if not experts:
+            return np.empty(0, dtype=np.int64), 0
         slot_of = self.cache.resident(layer)
-        wave_experts = list(wave.experts)
-        slot_lut[wave_experts] = [slot_of[e] for e in wave_experts]
-        slots_np = slot_lut[flat]
+        lut = np.full(self.config.num_experts, -1, dtype=np.int64)     # this wave's experts -> slots
+        lut[experts] = [slot_of[e] for e in experts]
+        slots_np = lut[flat]
         valid = slots_np >= 0
         if self.cuda:
             self._wait_copies(slots_np[valid])
         return slots_np, int(valid.sum())
+
+    def _sync_slot_map(self, layer) -> None:
+        """The device slot map's row of `layer`: its resident experts whose copies the compute has waited for
+        (a prefetched expert is listed once a layer's compute waited for its copy). Copied only when it changed."""
+        pos = self.layer_pos[layer]
+        row = np.full(self.config.num_experts, -1, dtype=np.int64)
+        pending = self.pending_copy
+        ready = [(e, s) for e, s in self.cache.resident(layer).items() if s not in pending]
+        if ready:
+            experts, slots = zip(*ready)
+            row[list(experts)] = slots
+        if np.array_equal(row, self._ready[pos]):
+            return
+        self._ready[pos] = row
+        if not self.cuda:
+            self.slot_map[pos].copy_(torch.from_numpy(row))
+            return
+        # Two pinned rows per layer, used in turn: a row is written again only after the host waited for a later
+        # read-back on the same stream (at most two updates of a layer's row come between two such waits: its own
+        # decisions and finish), so its previous copy has completed.
+        self._slot_flip[pos] ^= 1
+        staging = self._slot_staging[pos, self._slot_flip[pos]]
+        staging.copy_(torch.from_numpy(row))
+        self.slot_map[pos].copy_(staging, non_blocking=True)
 
     def _mark_layer_done(self, layer) -> None:
         """The last compute that reads this layer's slots, so that a copy evicting one of them waits for it."""
@@ -247,13 +318,13 @@ class ExpertManager:
             self.layer_done[layer] = done
 
     # --------------------------------------------------------------------------------------------------- CPU
-    def _start_cpu(self, layer: int, x: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
+    def _start_cpu(self, layer: int, x_host: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
         sel = np.isin(flat, cpu_experts)
         pair_idx = np.nonzero(sel)[0]
         pair_exp = flat[pair_idx]
         order = np.argsort(pair_exp, kind="stable")            # group pairs by expert, routing order inside
         pair_idx, pair_exp = pair_idx[order], pair_exp[order]
-        k = flat.size // x.shape[0]                              # pairs are token-major: T tokens x k experts
+        k = flat.size // x_host.shape[0]                         # pairs are token-major: T tokens x k experts
         token_idx = torch.from_numpy(pair_idx // k)
         job_experts, starts = np.unique(pair_exp, return_index=True)
         offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
@@ -262,14 +333,19 @@ class ExpertManager:
             predicted = self.costs.cpu_jobs_seconds(int(n) for n in np.diff(offsets.numpy()))
             predicted *= self.costs.cpu_slowdown_with_copies if copying else 1.0
         blobs = [self.store.blob(layer, int(e)) for e in job_experts]
-        x_host = self._staging("x", x.shape, self.store.dtype)
-        x_host.copy_(x)                                             # waits for x, the layer's input
         out = self._staging("out", (len(pair_idx), self.hidden), torch.float32)
 
         def work():      # the kernel's own time: what the cost model predicts (dispatch and GIL waits are not)
             return self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
 
         return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out, predicted
+
+    def _staging_device(self, name: str, numel: int) -> torch.Tensor:
+        """A reused int64 device buffer (the eager path's first-wave slots)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(numel, dtype=torch.int64, device=self.device)
+        return buf[:numel]
 
     def _staging(self, name: str, shape, dtype) -> torch.Tensor:
         """Reused host buffers for activations crossing PCIe (pinned on CUDA: no pageable copy in the hot path)."""
@@ -348,4 +424,4 @@ class OffloadedLayer:
     step: LayerStep
     waves: Iterator[Wave]       # the waves after the first
     cpu_job: tuple | None
-    pair_slots: torch.Tensor    # first wave's slot per pair, on the device
+    loads_first: bool           # the first wave computes something (its loads, or hits not ready on the device)

@@ -1,0 +1,107 @@
+"""The device slot map (runtime/manager.py): a layer's hits are computed from it before the host decides anything,
+so it must agree with the host's slot tables after every layer, list only experts whose copies the compute waited
+for, and leave the host nothing to compute when nothing misses (CPU tensors stand in for the GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import oled
+
+PROMPT = "hello world, how are you today?"
+
+
+def make_llm(policy, budget):
+    return oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy=policy, expert_budget=budget)
+
+
+def host_row(manager, layer) -> np.ndarray:
+    row = np.full(manager.config.num_experts, -1, dtype=np.int64)
+    for e, s in manager.cache.resident(layer).items():
+        if s not in manager.pending_copy:
+            row[e] = s
+    return row
+
+
+@pytest.mark.parametrize("policy,budget", [("lru", "0.25"), ("lru", "0.0625"), ("prefetch", "0.25"),
+                                           ("tide", "0.25"), ("oled", "0.25"), ("oled-retain", "0.0625")])
+def test_the_device_slot_map_agrees_with_the_host_tables_after_every_layer(policy, budget):
+    llm = make_llm(policy, budget)
+    m = llm.engine.manager
+    end, checked = m.end_offloaded, []
+
+    def checking_end(work, x, y_pairs):
+        end(work, x, y_pairs)
+        for layer in m.layers:           # this layer's row and the next one's (a prefetch writes it)
+            pos = m.layer_pos[layer]
+            assert np.array_equal(m.slot_map[pos].numpy(), host_row(m, layer)), (layer, work.layer)
+            assert np.array_equal(m._ready[pos], host_row(m, layer))
+        checked.append(work.layer)
+    m.end_offloaded = checking_end
+    reference = make_llm("full", "1.0").generate(PROMPT, gen_length=48).token_ids
+    assert llm.generate(PROMPT, gen_length=48).token_ids == reference
+    assert len(checked) >= 2 * len(m.layers)
+    assert m.stats.summary()["hit_rate_tokens"] < 1.0        # there were misses to keep the map busy
+
+
+def test_nothing_missing_means_no_wave_after_the_hits():
+    """With every expert resident the hits computed from the device slot map are the whole layer: no first-wave
+    compute, no slot buffer written, no row of the map copied."""
+    llm = make_llm("lru", "1.0")
+    llm.generate(PROMPT, gen_length=48)          # lru starts empty: the first request loads what it needs
+    m = llm.engine.manager
+    calls = {"load_wave": 0}
+    load_wave = m.load_wave
+
+    def counting_wave(*a):
+        calls["load_wave"] += 1
+        return load_wave(*a)
+    m.load_wave = counting_wave
+    out = llm.generate(PROMPT, gen_length=48)
+    reference = make_llm("full", "1.0").generate(PROMPT, gen_length=48).token_ids
+    assert out.token_ids == reference
+    assert calls["load_wave"] == 0
+
+
+def test_an_expert_whose_copy_was_not_waited_for_is_computed_after_the_wait():
+    """A prefetched expert's copy may still run when its layer starts: the map leaves it out (the hits computed
+    before the host would read a half-copied slot), and the first wave computes it once the compute waited."""
+    llm = make_llm("full", "1.0")                 # every expert resident from the start
+    m = llm.engine.manager
+    layer = m.layers[0]
+    expert, slot = next(iter(m.cache.resident(layer).items()))
+    m.pending_copy[slot] = object()          # a copy in flight
+    m._sync_slot_map(layer)
+    assert m.slot_map[m.layer_pos[layer]][expert] == -1
+    del m.pending_copy[slot]                 # waited for
+    m._sync_slot_map(layer)
+    assert m.slot_map[m.layer_pos[layer]][expert] == slot
+
+
+def test_a_hit_left_out_of_the_map_is_computed_in_the_first_wave():
+    """The same on a whole layer: its hits that the map leaves out land in the first wave's slots, and the layer's
+    output equals the all-resident one."""
+    llm = make_llm("lru", "1.0")
+    llm.generate(PROMPT, gen_length=48)
+    m = llm.engine.manager
+    layer = m.layers[0]
+    torch.manual_seed(0)
+    x = torch.randn(4, m.hidden)
+    ids = torch.stack([torch.randperm(m.config.num_experts)[:m.config.top_k] for _ in range(4)])
+    weights = torch.rand(4, m.config.top_k)
+    with torch.inference_mode():
+        expected = m.run(layer, x, ids, weights)
+    pos = m.layer_pos[layer]
+    left_out = int(ids[0, 0])
+    m._ready[pos, left_out] = -1                  # as if its copy had not been waited for when the layer started
+    m.slot_map[pos, left_out] = -1
+    waves = []
+    load_wave = m.load_wave
+    m.load_wave = lambda *a: (waves.append(a[2].clone()), load_wave(*a))
+    with torch.inference_mode():
+        assert torch.equal(m.run(layer, x, ids, weights), expected)
+    assert len(waves) == 1
+    served = waves[0].reshape(4, -1) >= 0
+    assert served.equal(ids == left_out)           # exactly the pairs of the left-out hit
+    assert m.slot_map[pos, left_out] >= 0          # listed again once computed
