@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert residency policy (default: %(default)s)")
     g.add_argument("--waves", action="store_true",
                    help="oled, oled-coop: a layer's misses beyond the slots not holding a hit may load in further "
-                        "waves instead of all going to the CPU (not yet measured on a GPU; default: off)")
+                        "waves instead of all going to the CPU (slower than one wave on the H200; default: off)")
     g.add_argument("--misses", choices=["load", "cooperative"],
                    help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
                         "planner split misses between loading and the CPU on the measured costs")
