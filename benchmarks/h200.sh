@@ -11,6 +11,8 @@
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
 #          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
 #   fused  `full` and `lru` at 100/40 % with and without --fused-router (the Triton router kernel), back to back
+#   overhead  where an offloaded forward's time goes: wall, GPU kernel time, launches and host steps per forward for
+#          full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks POLICY@BUDGET runs)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
@@ -93,6 +95,11 @@ for d in sys.argv[1:]:
         print(d.rsplit("/", 1)[-1], r["policy"], r["budget"], "TPOT ms", r["metrics"]["tpot_ms"]["median"],
               "agreement", r["metrics"]["token_agreement"]["median"])
 PY
+fi
+if has overhead; then
+  timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
+    --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 \
+    --out $R/offload_overhead.json > $R/overhead.log 2>&1; echo "overhead rc=$?"; tail -40 $R/overhead.log
 fi
 for d in grid routing-grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack
