@@ -71,10 +71,12 @@ def test_an_expert_whose_copy_was_not_waited_for_is_computed_after_the_wait():
     m = llm.engine.manager
     layer = m.layers[0]
     expert, slot = next(iter(m.cache.resident(layer).items()))
-    m.pending_copy[slot] = object()          # a copy in flight
+    m.pending_copy[slot] = object()          # a copy in flight (issued by _copy, which marks the layer changed)
+    m._slots_changed.add(layer)
     m._sync_slot_map(layer)
     assert m.slot_map[m.layer_pos[layer]][expert] == -1
-    del m.pending_copy[slot]                 # waited for
+    del m.pending_copy[slot]                 # waited for (by _issue_wave, which marks it too)
+    m._slots_changed.add(layer)
     m._sync_slot_map(layer)
     assert m.slot_map[m.layer_pos[layer]][expert] == slot
 

@@ -74,6 +74,8 @@ class ExpertManager:
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
                                    top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs)
+        self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
+                                                  # the device slot map was last written
         self._place_initial()
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
@@ -82,6 +84,7 @@ class ExpertManager:
         self._slot_staging = (torch.empty((len(self.layers), 2, self.config.num_experts), dtype=torch.int64,
                                           pin_memory=True) if self.cuda else None)
         self._slot_flip = [0] * len(self.layers)
+        self._slots_changed.clear()               # the map was just built from the tables
         self._routing_events: dict[int, torch.cuda.Event] = {}
         # (layer, tokens) -> the buffers its routing is read back into and their event: fixed, so that a graph
         # replaying the read-back writes where the host step reads
@@ -104,6 +107,7 @@ class ExpertManager:
         """Copy experts' blobs into slots on the copy stream; one event covers the batch."""
         if not experts:
             return
+        self._slots_changed.add(layer)            # slots were taken for them (evicting others)
         if not self.cuda:
             for e, s in zip(experts, slots):
                 self.cache.pool[s].copy_(self.store.blob(layer, e))
@@ -220,7 +224,6 @@ class ExpertManager:
             self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's wait
         ids_h, weights_h, predicted, x_host = self._read_routing(layer, x.shape[0])
         flat = ids_h.reshape(-1)
-        computed = self._ready[self.layer_pos[layer]].copy()        # the device slot map the hits were computed with
         step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
         cpu = step.decision.cpu
         self._cpu_last_time[layer] = bool(cpu)
@@ -229,7 +232,8 @@ class ExpertManager:
         first = next(waves)
         # the first wave computes its loads, and the hits that were not ready in the device slot map (a prefetch's
         # copy the compute had not waited for yet)
-        late_hits = [e for e in step.hits if computed[e] < 0]
+        ready = self._ready[self.layer_pos[layer]]     # the device slot map the hits were computed with
+        late_hits = [e for e in step.hits if ready[e] < 0]
         slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits)
         if n_valid:
             load_slots.copy_(torch.from_numpy(slots_np).to(x.device, non_blocking=True))
@@ -284,11 +288,15 @@ class ExpertManager:
         valid = slots_np >= 0
         if self.cuda:
             self._wait_copies(slots_np[valid])
+        self._slots_changed.add(layer)            # its experts are ready now
         return slots_np, int(valid.sum())
 
     def _sync_slot_map(self, layer) -> None:
         """The device slot map's row of `layer`: its resident experts whose copies the compute has waited for
         (a prefetched expert is listed once a layer's compute waited for its copy). Copied only when it changed."""
+        if layer not in self._slots_changed:
+            return
+        self._slots_changed.discard(layer)
         pos = self.layer_pos[layer]
         row = np.full(self.config.num_experts, -1, dtype=np.int64)
         pending = self.pending_copy
