@@ -13,6 +13,10 @@
 #   fused  `full` and `lru` at 100/40 % with and without --fused-router (the Triton router kernel), back to back
 #   overhead  where an offloaded forward's time goes: wall, GPU kernel time, launches and host steps per forward for
 #          full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks POLICY@BUDGET runs)
+#   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
+#          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
+#   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
+#          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
@@ -78,8 +82,20 @@ if has routing; then
     --random-weights llada2-mini --policies ${ROUTING_POLICIES:-$ALL_POLICIES,oled:waves=1} \
     --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
     --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
-    --out $R/routing-grid > $R/routing-grid.log 2>&1
-  echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/routing-grid.log
+    ${ROUTING_FLAGS:-} --out $R/${ROUTING_OUT:-routing-grid} > $R/${ROUTING_OUT:-routing-grid}.log 2>&1
+  echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/${ROUTING_OUT:-routing-grid}.log
+fi
+if has policy-step; then
+  for workers in "" --polling-workers; do
+    timeout ${STEP_S:-120} python3 benchmarks/policy_step_cost.py ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
+      ${STEP_COSTS:-benchmarks/results/h200/routing-chat-grid-9f25268/results.jsonl} --budget 0.4 \
+      --policies lru,oled-retain,oled,oled-coop $workers >> $R/policy-step.log 2>&1; echo "policy-step $workers rc=$?"
+  done
+  cat $R/policy-step.log
+fi
+if has busy; then
+  timeout ${BUSY_S:-240} taskset -c ${BUSY_CPUS:-0,1} python3 benchmarks/busy_cores.py --repeats ${BUSY_REPEATS:-3} \
+    --extra --device cpu > $R/busy.log 2>&1; echo "busy rc=$?"; cat $R/busy.log
 fi
 if has fused; then
   for mode in plain fused; do
@@ -101,5 +117,5 @@ if has overhead; then
     --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 \
     --out $R/offload_overhead.json > $R/overhead.log 2>&1; echo "overhead rc=$?"; tail -40 $R/overhead.log
 fi
-for d in grid routing-grid; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
+for d in grid ${ROUTING_OUT:-routing-grid}; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack

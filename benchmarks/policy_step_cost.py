@@ -2,9 +2,11 @@
 checks), replayed from a trace on the CPU: the decisions the engine makes, without the engine.
 
     python benchmarks/policy_step_cost.py TRACE COST_MODEL_RESULTS.jsonl [--budget 0.4] [--requests 1]
-        [--policies lru,oled-retain,oled]
+        [--policies lru,oled-retain,oled] [--polling-workers]
 
-The cost model is the first one found in the results file (a bench run's result lines).
+The cost model is the first one found in the results file (a bench run's result lines). --polling-workers keeps the
+CPU expert kernel's workers (the engine's default number, pinned as the engine pins them) polling through the
+replays, as `--cpu-wake layer` does around a layer's host step: whether they slow the main thread's Python.
 """
 import argparse
 import json
@@ -22,7 +24,16 @@ def main():
     ap.add_argument("--budget", default="0.4")
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--policies", default="lru,oled-retain,oled")
+    ap.add_argument("--polling-workers", action="store_true")
     args = ap.parse_args()
+    kernel = None
+    if args.polling_workers:
+        from oled.runtime.cpu_kernel import CpuExpertKernel
+        from oled.runtime.threads import plan_threads
+
+        kernel = CpuExpertKernel(num_threads=plan_threads().kernel_threads)
+        kernel.hold(3600.0)
+        print(f"{kernel.num_threads} CPU expert workers ({kernel.name}) polling on cpus {sorted(kernel.cpus)}")
     with open(args.results) as f:
         model = next(r["cost_model"] for r in map(json.loads, f) if r.get("cost_model"))
     costs = CostModel.from_dict(model)
@@ -45,6 +56,8 @@ def main():
             replay(trace, policy, args.budget, costs)
             best = min(best, spent[0] / max(spent[1], 1))
         print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer ({spent[1]} layers)")
+    if kernel is not None:
+        kernel.hold(0.0)
 
 
 if __name__ == "__main__":

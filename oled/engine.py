@@ -140,7 +140,8 @@ class Engine:
                 self.costs = load_or_measure(self.store, cpu_kernel, self.device)
                 log.info("miss service: %s", self.costs.describe())
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
-                                     costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake)
+                                     costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
+                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback)
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.policy.static_full
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)

@@ -28,6 +28,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                               "predicts it (calibrated at start-up per tokens per "
                                                               "expert, slowed while copies run) / their measured "
                                                               "time"),
+    "cpu_path_cost_model_ratio": ("CPU cost model / CPU path", "", "the CPU jobs' time as the start-up cost model "
+                                                                  "predicts it / their time from submission to "
+                                                                  "result (the hand-off to the worker included); "
+                                                                  "the planner's CPU terms follow its inverse "
+                                                                  "(--cpu-cost-feedback)"),
     "loads_per_iteration": ("loads/iter", "", "experts copied to the GPU on demand per iteration (all layers)"),
     "prefetches_per_iteration": ("prefetches/iter", "", "speculative expert copies per iteration (all layers)"),
     "unique_experts_per_layer_iteration": ("unique experts/layer/iter", "", "distinct experts a layer needs in one "
@@ -95,6 +100,7 @@ def stats_metrics(summary: dict) -> dict:
         "cpu_pairs_per_iteration": summary.get("cpu_pairs_per_iteration"),
         "cpu_ms_per_iteration": summary.get("cpu_ms_per_iteration"),
         "cpu_cost_model_ratio": summary.get("cpu_cost_model_ratio"),
+        "cpu_path_cost_model_ratio": summary.get("cpu_path_cost_model_ratio"),
         "loads_per_iteration": summary.get("loads_per_iteration"),
         "prefetches_per_iteration": tot.get("prefetches", 0) / forwards if tot else None,
         "unique_experts_per_layer_iteration": summary.get("unique_experts_per_layer_iteration"),

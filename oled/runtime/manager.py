@@ -10,6 +10,7 @@ With a static all-resident policy (`full`) there is nothing to decide and no hos
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..config import CPU_WAKE_MODES
 from ..policies.base import ForwardInfo, IterationEvent, Policy
 from .budget import ExpertBudget
 from .cost_model import CostModel
+from .cpu_feedback import CpuCostFeedback
 from .expert_cache import ExpertCache
 from .grouped import grouped_swiglu
 from .residency import LayerStep, Residency, Wave
@@ -48,7 +50,8 @@ FORWARD_HOLD_S = 1.0
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
-                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0]):
+                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0],
+                 cpu_cost_feedback: bool = True):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -66,6 +69,9 @@ class ExpertManager:
         self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
                                   # measured time, so a run shows how well the model the planner relies on holds
         self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
+        # each CPU job's time from submission to result against its predicted time: the planner's CPU terms follow
+        # what the jobs take in the engine (EngineConfig.cpu_cost_feedback)
+        self.cpu_feedback = CpuCostFeedback() if cpu_cost_feedback and cpu_kernel and costs is not None else None
         self._cpu_last_time: dict[int, bool] = {}           # layer -> it had CPU work the last time it ran
         check_cpu_wake(cpu_wake)
         self.cpu_wake = cpu_wake
@@ -342,9 +348,11 @@ class ExpertManager:
             predicted *= self.costs.cpu_slowdown_with_copies if copying else 1.0
         blobs = [self.store.blob(layer, int(e)) for e in job_experts]
         out = self._staging("out", (len(pair_idx), self.hidden), torch.float32)
+        submitted = time.perf_counter()
 
-        def work():      # the kernel's own time: what the cost model predicts (dispatch and GIL waits are not)
-            return self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
+        def work():      # (the kernel's own time, the time from submission: the hand-off to the worker included)
+            kernel_s = self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
+            return kernel_s, time.perf_counter() - submitted
 
         return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out, predicted
 
@@ -367,13 +375,18 @@ class ExpertManager:
     def _finish_cpu(self, job, y_pairs, rec) -> None:
         future, pair_idx, out, predicted = job
         with self._section("cpu_experts"):
-            rec.cpu_s += future.result()
+            kernel_s, path_s = future.result()
+        rec.cpu_s += kernel_s
+        rec.cpu_path_s += path_s
         rec.cpu_s_model += predicted
+        if self.cpu_feedback is not None:
+            self.cpu_feedback.observe(path_s, predicted)
         y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
 
     # ------------------------------------------------------------------------------------------ loop events
     def begin_forward(self, info: ForwardInfo) -> None:
-        self.residency.begin_forward(info)
+        scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
+        self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(FORWARD_HOLD_S)
 

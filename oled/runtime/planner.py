@@ -18,6 +18,7 @@ time per expert does not depend on its tokens. Plain NumPy over host numbers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,25 +51,27 @@ class PlanInputs:
 def plan_costs(masks: np.ndarray, experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
     """The objective of each candidate split: masks [S, n] bool, True = load experts[j]. Returns [S] seconds."""
     masks = np.asarray(masks, dtype=bool).reshape(-1, len(experts))
-    tok = np.array([inputs.tokens[e] for e in experts], dtype=np.int64)
-    cpu_t = np.array([cost.cpu_expert_seconds(int(t)) for t in tok])
-    gpu_t = np.array([cost.gpu_expert_seconds(int(t)) for t in tok])
-    credit = np.array([inputs.credit.get(e, 0.0) for e in experts])
+    n = len(experts)
+    tok = np.fromiter((inputs.tokens[e] for e in experts), dtype=np.int64, count=n)
+    cpu_t = cost.cpu_expert_seconds_of(tok)
+    gpu_t = cost.gpu_expert_seconds_of(tok)
+    credit = np.fromiter((inputs.credit.get(e, 0.0) for e in experts), dtype=np.float64, count=n)
+    load, cpu = masks.astype(np.float64), (~masks).astype(np.float64)     # one conversion each: float matmuls
     n_load = masks.sum(axis=1)
-    n_cpu = len(experts) - n_load
-    has_load, has_cpu = n_load > 0, n_cpu > 0
-    gpu_hits = sum(map(cost.gpu_expert_seconds, inputs.hit_tokens))
+    has_load, has_cpu = n_load > 0, n_load < n
+    gpu_hits = float(cost.gpu_expert_seconds_of(inputs.hit_tokens).sum()) if len(inputs.hit_tokens) else 0.0
     copy = cost.load_seconds(n_load) * np.where(has_cpu, cost.copy_slowdown_with_cpu, 1.0)
-    gpu_side = copy + gpu_hits + masks @ gpu_t
-    cpu_pairs = (~masks) @ tok
+    gpu_side = copy + gpu_hits + load @ gpu_t
     cpu_side = np.where(
         has_cpu,
-        (cost.cpu_call_seconds + (~masks) @ cpu_t) * np.where(has_load, cost.cpu_slowdown_with_copies, 1.0)
-        + cost.cpu_transfer_seconds(inputs.rows, cpu_pairs),
+        (cost.cpu_call_seconds + cpu @ cpu_t) * np.where(has_load, cost.cpu_slowdown_with_copies, 1.0)
+        + cost.cpu_transfer_seconds(inputs.rows, cpu @ tok),
         0.0)
-    loss = np.concatenate([[0.0], np.cumsum(inputs.evict_loss)]) if inputs.evict_loss else np.zeros(1)
-    evictions = np.clip(n_load - max(inputs.free_slots, 0), 0, len(loss) - 1)
-    return np.maximum(gpu_side, cpu_side) - masks @ credit + loss[evictions]
+    objective = np.maximum(gpu_side, cpu_side) - load @ credit
+    if inputs.evict_loss:
+        loss = np.concatenate([[0.0], np.cumsum(inputs.evict_loss)])
+        objective += loss[np.clip(n_load - max(inputs.free_slots, 0), 0, len(loss) - 1)]
+    return objective
 
 
 def plan_cost(load: list[int], cpu: list[int], inputs: PlanInputs, cost: CostModel) -> float:
@@ -78,10 +81,18 @@ def plan_cost(load: list[int], cpu: list[int], inputs: PlanInputs, cost: CostMod
     return float(plan_costs(mask, experts, inputs, cost)[0])
 
 
+@functools.cache
+def _every_subset(n: int) -> np.ndarray:
+    """[2**n, n] bool: row i loads expert j where bit j of i is set (made once per n, never written)."""
+    masks = (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1
+    masks.flags.writeable = False
+    return masks
+
+
 def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
     n = len(experts)
     if n <= EXACT_MAX:
-        return (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1
+        return _every_subset(n)
     # what an expert adds to the CPU side of a split with loads: its kernel time, slowed beside copies, and its
     # outputs' way back
     tok = [inputs.tokens[e] for e in experts]

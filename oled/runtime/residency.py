@@ -44,6 +44,7 @@ class Residency:
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
         self.forward: ForwardInfo | None = None
+        self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
                                    top_k=top_k, expert_bytes=expert_bytes, costs=costs))
         if policy.static_full and cache.capacity < num_experts:
@@ -58,8 +59,13 @@ class Residency:
         return placed
 
     # --------------------------------------------------------------------------------------------- per forward
-    def begin_forward(self, info: ForwardInfo) -> None:
+    def begin_forward(self, info: ForwardInfo, cpu_scale: float = 1.0) -> None:
+        """A forward starts; the policy plans it on the cost model with its CPU terms times cpu_scale (the engine's
+        correction from the CPU jobs it has seen, runtime/cpu_feedback.py; a replay passes the recorded one)."""
         self.forward = info
+        self.cpu_scale = cpu_scale
+        if self.costs is not None:
+            self.policy.ctx.costs = self.costs.with_cpu_scale(cpu_scale)
         self.stats.begin_forward(info.kind)
         self.policy.on_forward(info)
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-TIMINGS = ("cpu_s", "cpu_s_model")   # per-record wall times: differ between runs, absent from a trace replay
+TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")   # per-record wall times: differ between runs, absent from a trace replay
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
             "bytes_h2d", "resident", "resident_used")
 
@@ -28,6 +28,7 @@ class LayerRecord:
     resident: int = 0         # resident experts of this layer after its loads
     resident_used: int = 0    # of those, used by at least one token in this forward
     cpu_s: float = 0.0        # time of this layer's CPU expert jobs, measured inside the kernel call
+    cpu_path_s: float = 0.0   # the same jobs' time from their submission to their result (the hand-off included)
     cpu_s_model: float = 0.0  # the same jobs' time as the runtime's cost model predicted it (0: no cost model)
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
@@ -65,7 +66,8 @@ class RunStats:
         return Aggregate(counters={c: sum(getattr(r, c) for r in rows) for c in COUNTERS},
                          forwards=len({r.forward for r in rows}), layers=frozenset(r.layer for r in rows),
                          utilization_sum=float(np.sum(util)) if util else 0.0, utilization_n=len(util),
-                         cpu_s=sum(r.cpu_s for r in rows), cpu_s_model=sum(r.cpu_s_model for r in rows))
+                         cpu_s=sum(r.cpu_s for r in rows), cpu_path_s=sum(r.cpu_path_s for r in rows),
+                         cpu_s_model=sum(r.cpu_s_model for r in rows))
 
     def summary(self, kinds=("iteration",)) -> dict:
         return self.aggregate(kinds).summary()
@@ -83,13 +85,14 @@ class Aggregate:
     utilization_sum: float = 0.0      # sum over records with residents of resident_used / resident
     utilization_n: int = 0
     cpu_s: float = 0.0
+    cpu_path_s: float = 0.0
     cpu_s_model: float = 0.0
 
     def __add__(self, other: "Aggregate") -> "Aggregate":
         return Aggregate({c: self.counters[c] + other.counters[c] for c in COUNTERS}, self.forwards + other.forwards,
                          self.layers | other.layers, self.utilization_sum + other.utilization_sum,
                          self.utilization_n + other.utilization_n, self.cpu_s + other.cpu_s,
-                         self.cpu_s_model + other.cpu_s_model)
+                         self.cpu_path_s + other.cpu_path_s, self.cpu_s_model + other.cpu_s_model)
 
     def summary(self) -> dict:
         """Hit rates, traffic and CPU work per forward; {} when there is nothing to summarise."""
@@ -109,5 +112,7 @@ class Aggregate:
             "cpu_ms_per_iteration": self.cpu_s * 1e3 / forwards,
             "cpu_cost_model_ratio": (self.cpu_s_model / self.cpu_s if self.cpu_s > 0 and self.cpu_s_model > 0
                                      else None),
+            "cpu_path_cost_model_ratio": (self.cpu_s_model / self.cpu_path_s
+                                          if self.cpu_path_s > 0 and self.cpu_s_model > 0 else None),
             "totals": tot,
         }

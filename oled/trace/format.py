@@ -61,6 +61,8 @@ class Trace:
     fwd_block_start: np.ndarray = field(default=None)   # [F] int32: canvas position of the block being decoded
     fwd_request: np.ndarray = field(default=None)   # [F] int32, derived
     ev_token: np.ndarray = field(default=None)      # [sum B] int32: absent from traces recorded before it
+    fwd_cpu_scale: np.ndarray = field(default=None)  # [F] float64: the scale of the CPU costs each forward planned
+                                                     # on (runtime/cpu_feedback.py); absent: 1
 
     def __post_init__(self):
         if self.fwd_block_start is None:   # traces before it was recorded: blocks at multiples of the block length
@@ -178,6 +180,7 @@ class Trace:
                       subset=f"the first {n} of {self.num_requests} requests; `live` covers all of them")
         return Trace(header=header, ops=ops, fwd_kind=self.fwd_kind[:F], fwd_start=self.fwd_start[:F],
                      fwd_tokens=self.fwd_tokens[:F], fwd_block_start=self.fwd_block_start[:F],
+                     fwd_cpu_scale=None if self.fwd_cpu_scale is None else self.fwd_cpu_scale[:F],
                      run_layer=self.run_layer[:R], run_forward=self.run_forward[:R],
                      run_offset=self.run_offset[:R + 1], ids=self.ids[:rows], weights=self.weights[:rows],
                      pred_offset=self.pred_offset[:R + 1], pred_ids=self.pred_ids[:pred_rows],
@@ -223,7 +226,8 @@ class Trace:
 ARRAYS = ("ops", "fwd_kind", "fwd_start", "fwd_tokens", "run_layer", "run_forward", "run_offset", "ids", "weights",
           "pred_offset", "pred_ids", "ev_forward", "ev_block", "ev_step", "ev_iteration", "ev_done", "ev_offset",
           "ev_state", "ev_conf", "req_prompt_offset", "req_prompt_ids", "req_output_offset", "req_output_ids")
-OPTIONAL_ARRAYS = ("fwd_block_start", "ev_token")   # absent from older traces: the first derived on load
+OPTIONAL_ARRAYS = ("fwd_block_start", "ev_token", "fwd_cpu_scale")   # absent from older traces: the first
+                                                                     # derived on load
 
 
 def _json_default(o):

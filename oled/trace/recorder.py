@@ -26,6 +26,7 @@ class TraceRecorder:
         self.fwd_start: list[int] = []
         self.fwd_tokens: list[int] = []
         self.fwd_block_start: list[int] = []
+        self.fwd_cpu_scale: list[float] = []
         self.run_layer: list[int] = []
         self.run_forward: list[int] = []
         self.run_rows: list[int] = [0]
@@ -63,6 +64,7 @@ class TraceRecorder:
         self.fwd_tokens.append(info.tokens)
         self.fwd_block_start.append(info.block_start)
         self.manager.begin_forward(info)
+        self.fwd_cpu_scale.append(self.manager.residency.cpu_scale)     # chosen as the forward began
 
     def end_forward(self) -> None:
         self._flush()
@@ -134,6 +136,7 @@ class TraceRecorder:
             fwd_start=np.asarray(self.fwd_start, dtype=np.int32),
             fwd_tokens=np.asarray(self.fwd_tokens, dtype=np.int32),
             fwd_block_start=np.asarray(self.fwd_block_start, dtype=np.int32),
+            fwd_cpu_scale=np.asarray(self.fwd_cpu_scale, dtype=np.float64),
             run_layer=np.asarray(self.run_layer, dtype=np.int32),
             run_forward=np.asarray(self.run_forward, dtype=np.int32),
             run_offset=np.asarray(self.run_rows, dtype=np.int64),

@@ -43,9 +43,11 @@ def decide_layer(res: Residency, layer: int, ids: np.ndarray, weights: np.ndarra
 
 
 class ReplayManager:
-    def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None):
+    def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None,
+                 cpu_scales: np.ndarray | None = None):
+        """cpu_scales: per forward, the scale of the CPU costs to plan on (the recording's, with its cost model)."""
         model = trace.header["model"]
-        self.trace, self.policy, self.budget = trace, policy, budget
+        self.trace, self.policy, self.budget, self.cpu_scales = trace, policy, budget, cpu_scales
         self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta")   # slot tables only
         self.stats = RunStats()
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
@@ -83,7 +85,8 @@ class ReplayManager:
                 decide_layer(res, layer, ids, t.run_weights(arg).copy(), predicted)
             elif op == BEGIN:
                 forward += 1
-                res.begin_forward(t.forward_info(forward))
+                scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
+                res.begin_forward(t.forward_info(forward), cpu_scale=scale)
             elif op == END:
                 for layer, ids in static_log:
                     res.record_static(layer, ids)
@@ -124,14 +127,16 @@ def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, 
 def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
            **options) -> ReplayManager:
     """Replay `trace` through a policy (name and make_policy options, or an instance) at a budget. Policies that
-    plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any."""
+    plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any,
+    with each forward's CPU scale as recorded (runtime/cpu_feedback.py)."""
     model = trace.header["model"]
     budget = parse_budget(expert_budget, num_layers=len(trace.layers), num_experts=model["num_experts"],
                           expert_bytes=model["expert_bytes"])
     if isinstance(policy, str):
         policy = make_policy(policy, **options)
-    if costs is None and trace.header.get("costs"):
-        costs = CostModel.from_dict(trace.header["costs"])
-    mgr = ReplayManager(trace, budget, policy, costs)
+    cpu_scales = None
+    if costs is None and trace.header.get("costs"):     # the recording's costs, as its forwards planned on them
+        costs, cpu_scales = CostModel.from_dict(trace.header["costs"]), trace.fwd_cpu_scale
+    mgr = ReplayManager(trace, budget, policy, costs, cpu_scales)
     mgr.replay()
     return mgr
