@@ -12,7 +12,7 @@ import torch
 import oled
 from oled.policies import ForwardInfo, LayerEvent, PolicyContext, make_policy
 from oled.runtime.cost_model import CostModel, load_or_measure
-from oled.runtime.planner import EXACT_MAX, PlanInputs, plan_cost, split_misses
+from oled.runtime.planner import EXACT_MAX, PlanInputs, _loading_all_wins, plan_cost, split_misses
 
 
 def _model(h2d=50.0, slowdown=1.2, gpu=5e-6, call=0.0, copy_slowdown=1.0, transfer=0.0, gpu_slope=0.0):
@@ -27,7 +27,7 @@ def reference_cost(load, cpu, inputs: PlanInputs, m: CostModel) -> float:
     """The planner's objective written out plainly, term by term (independent of plan_costs' vectorised form)."""
     tok = inputs.tokens
     gpu_side = m.load_seconds(len(load)) * (m.copy_slowdown_with_cpu if cpu else 1.0)
-    gpu_side += sum(m.gpu_expert_seconds(t) for t in inputs.hit_tokens) + sum(m.gpu_expert_seconds(tok[e]) for e in load)
+    gpu_side += sum(m.gpu_expert_seconds(tok[e]) for e in load)
     cpu_side = 0.0
     if cpu:
         cpu_side = m.cpu_call_seconds + sum(m.cpu_expert_seconds(tok[e]) for e in cpu)
@@ -56,8 +56,7 @@ def _random_case(rng, n, credits=True):
                   call=rng.choice([0.0, 20e-6, 400e-6]), copy_slowdown=rng.choice([1.0, 1.15]),
                   transfer=rng.choice([0.0, 15e-6]), gpu=rng.choice([0.0, 3e-6]), gpu_slope=rng.choice([0.0, 1e-7]))
     free = rng.randint(0, n)
-    inputs = PlanInputs(tokens=tokens, hit_tokens=[rng.randint(1, 8) for _ in range(rng.randint(0, 20))],
-                        rows=rng.choice([8, 32]), free_slots=free,
+    inputs = PlanInputs(tokens=tokens, rows=rng.choice([8, 32]), free_slots=free,
                         max_loads=rng.choice([None, free + rng.randint(0, 3)]),
                         credit={e: rng.choice([0.0, 0.0, 50e-6, 200e-6]) for e in tokens} if credits else {},
                         evict_loss=sorted(rng.choice([0.0, 20e-6, 90e-6]) for _ in range(n)) if credits else [])
@@ -213,7 +212,7 @@ def test_cooperative_policies_plan_with_the_planner(name):
             d = policy.decide(event)
             misses = {e: n for e, n in demand.items() if e not in resident}
             hits = [e for e in demand if e in resident]
-            inputs = PlanInputs(misses, hit_tokens=[demand[e] for e in hits], rows=len(event.ids),
+            inputs = PlanInputs(misses, rows=len(event.ids),
                                 free_slots=capacity - len(resident), max_loads=capacity - len(hits))
             assert sorted(d.load + d.cpu) == sorted(misses)
             assert inputs.min_loads <= len(d.load) <= capacity - len(hits)
@@ -262,3 +261,24 @@ def test_cost_model_from_bad_json():
                 json.dumps({k: v for k, v in good.items() if k != "h2d_gbps"})):
         with pytest.raises(ValueError, match="malformed cost model"):
             CostModel.from_json(bad)
+
+
+def test_the_load_everything_bound_skips_only_searches_that_loading_everything_wins():
+    """split_misses answers "load every miss" without a search when that beats a lower bound of every split with
+    CPU work: whenever the bound fires, brute force over every such split finds none as cheap."""
+    rng = random.Random(11)
+    fired = 0
+    for _ in range(600):
+        inputs, cost = _random_case(rng, rng.randint(1, 7))
+        misses = sorted(inputs.tokens)
+        if inputs.load_cap != len(misses) or inputs.min_loads == len(misses):
+            continue                      # the bound is only asked when every miss may load and some may not
+        if not _loading_all_wins(misses, inputs, cost):
+            continue
+        fired += 1
+        everything = reference_cost(misses, [], inputs, cost)
+        for r in range(inputs.min_loads, len(misses)):
+            for load in itertools.combinations(misses, r):
+                assert everything < reference_cost(list(load), [e for e in misses if e not in load], inputs, cost)
+        assert split_misses(inputs, cost) == (misses, [])
+    assert fired >= 30

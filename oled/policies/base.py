@@ -161,7 +161,7 @@ class Policy:
         hits = event.hits
         misses = {e: event.demand[e] for e in event.misses}
         free = self.ctx.capacity - len(event.resident)
-        inputs = PlanInputs(tokens=misses, hit_tokens=[event.demand[e] for e in hits], rows=len(event.ids),
+        inputs = PlanInputs(tokens=misses, rows=len(event.ids),
                             free_slots=free, max_loads=None if waves else self.ctx.capacity - len(hits),
                             credit=credit or {},
                             evict_loss=evict_loss or [])

@@ -241,8 +241,10 @@ class ExpertManager:
         ready = self._ready[self.layer_pos[layer]]     # the device slot map the hits were computed with
         late_hits = [e for e in step.hits if ready[e] < 0]
         slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits)
-        if n_valid:
-            load_slots.copy_(torch.from_numpy(slots_np).to(x.device, non_blocking=True))
+        if n_valid:       # through a pinned buffer of the layer's: a pageable copy can make the host wait for the GPU
+            staged = self._staging(f"load_slots_host{layer}", slots_np.shape, torch.int64)
+            staged.copy_(torch.from_numpy(slots_np))
+            load_slots.copy_(staged, non_blocking=True)
         self._sync_slot_map(layer)
         return OffloadedLayer(layer, flat, step, waves, cpu_job, loads_first=bool(n_valid))
 
@@ -381,7 +383,12 @@ class ExpertManager:
         rec.cpu_s_model += predicted
         if self.cpu_feedback is not None:
             self.cpu_feedback.observe(path_s, predicted)
-        y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
+        # Both copies from pinned buffers and without waiting: a blocking copy would drain the GPU's queue, so that
+        # every later launch of the forward reached an idle GPU. The buffers are written again only by the next CPU
+        # job, which starts after the host waited for a later routing read-back on this stream.
+        pairs = self._staging("cpu_pairs", tuple(pair_idx.shape), torch.int64).copy_(pair_idx)
+        y_pairs.index_copy_(0, pairs.to(y_pairs.device, non_blocking=self.cuda),
+                            out.to(y_pairs.device, y_pairs.dtype, non_blocking=self.cuda))
 
     # ------------------------------------------------------------------------------------------ loop events
     def begin_forward(self, info: ForwardInfo) -> None:

@@ -1,11 +1,14 @@
 """Cooperative miss planning: split a layer's misses into experts to load (copy + GPU) and experts to compute on
 the CPU. One objective, `plan_costs`, used by the search and by the tests:
 
-    gpu(L) = load(|L|) * copy_slowdown_if_cpu_work + sum(gpu_expert(tokens[e]) for e in hits + L)
+    gpu(L) = load(|L|) * copy_slowdown_if_cpu_work + sum(gpu_expert(tokens[e]) for e in L)
     cpu(C) = (cpu_call + sum(cpu_expert(tokens[e]) for e in C)) * cpu_slowdown_if_copying
              + transfer(rows, pairs of C)                                              (0 if C is empty)
     cost(L) = max(gpu(L), cpu(C))  -  sum(credit[e] for e in L)  +  sum(evict_loss[:|L| - free_slots])
 
+Both sides count from the decision on. The layer's hits are not in it: the runtime computes them from the device
+slot map while the host waits for the routing and decides (manager.py), so by the time the copies and the CPU job
+start the hits' compute is about done; counting it, the planner took CPU jobs for free that ran past it.
 credit[e] is what loading e now is predicted to save later (its reuse); evict_loss[i] what the i-th eviction a
 load causes is predicted to lose (loads into free slots evict nothing). Constraints: min(free slots, misses) <= |L|
 <= max_loads: a free slot is never left empty while a miss goes to the CPU, and loads stay within the slots not
@@ -14,7 +17,8 @@ copy engine like the first's, which the copy term already counts).
 
 The search is exact for up to EXACT_MAX misses (every subset, vectorised); beyond that it evaluates every split of
 three orders (by CPU-side time, by CPU-side time + credit, by credit), which is exact without credits when the GPU
-time per expert does not depend on its tokens. Plain NumPy over host numbers.
+time per expert does not depend on its tokens. Before any search, a bound: when loading every miss beats the least
+any split with CPU work can cost, every miss loads (no candidate is evaluated). Plain NumPy over host numbers.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ EXACT_MAX = 8     # 2**8 candidate sets: tens of µs per layer
 @dataclass
 class PlanInputs:
     tokens: dict[int, int]                  # miss expert -> tokens routed to it
-    hit_tokens: list[int] = field(default_factory=list)   # tokens of each hit (computed on the GPU whatever the split)
     rows: int = 0                           # the layer's input rows (sent to the host when there is CPU work)
     free_slots: int = 0
     max_loads: int | None = None
@@ -59,9 +62,8 @@ def plan_costs(masks: np.ndarray, experts: list[int], inputs: PlanInputs, cost: 
     load, cpu = masks.astype(np.float64), (~masks).astype(np.float64)     # one conversion each: float matmuls
     n_load = masks.sum(axis=1)
     has_load, has_cpu = n_load > 0, n_load < n
-    gpu_hits = float(cost.gpu_expert_seconds_of(inputs.hit_tokens).sum()) if len(inputs.hit_tokens) else 0.0
     copy = cost.load_seconds(n_load) * np.where(has_cpu, cost.copy_slowdown_with_cpu, 1.0)
-    gpu_side = copy + gpu_hits + load @ gpu_t
+    gpu_side = copy + load @ gpu_t
     cpu_side = np.where(
         has_cpu,
         (cost.cpu_call_seconds + cpu @ cpu_t) * np.where(has_load, cost.cpu_slowdown_with_copies, 1.0)
@@ -110,6 +112,23 @@ def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.n
     return masks
 
 
+def _loading_all_wins(experts: list[int], inputs: PlanInputs, cost: CostModel) -> bool:
+    """True when loading every miss costs less than any split with CPU work can (so it is the optimum; scalars only,
+    the common case of a few misses on a machine whose CPU path is slow). A split loading L and computing C != {}
+    costs at least cpu(C) - credit(all) (credits are >= 0, eviction losses too), and cpu(C) is at least the call, the
+    cheapest expert and the fewest tokens' transfer, slowed beside loads, or, with no loads, that of every miss."""
+    tok = [inputs.tokens[e] for e in experts]
+    cpu_t = [cost.cpu_expert_seconds(t) for t in tok]
+    n = len(experts)
+    evictions = max(0, n - max(inputs.free_slots, 0))
+    all_loaded = (cost.load_seconds(n) + sum(map(cost.gpu_expert_seconds, tok)) + sum(inputs.evict_loss[:evictions]))
+    beside_loads = ((cost.cpu_call_seconds + min(cpu_t)) * cost.cpu_slowdown_with_copies
+                    + cost.cpu_transfer_seconds(inputs.rows, min(tok))) if n > 1 else float("inf")
+    all_on_cpu = (cost.cpu_call_seconds + sum(cpu_t) + cost.cpu_transfer_seconds(inputs.rows, sum(tok))
+                  if inputs.min_loads == 0 else float("inf"))
+    return all_loaded < min(beside_loads, all_on_cpu)
+
+
 def split_misses(inputs: PlanInputs, cost: CostModel) -> tuple[list[int], list[int]]:
     """Returns (load, cpu) minimising plan_costs under the load bounds; ties go to fewer loads, then lower ids."""
     experts = sorted(inputs.tokens)
@@ -119,6 +138,8 @@ def split_misses(inputs: PlanInputs, cost: CostModel) -> tuple[list[int], list[i
         return experts, []
     if inputs.load_cap == 0:                  # no slot may take a load
         return [], experts
+    if inputs.load_cap == len(experts) and _loading_all_wins(experts, inputs, cost):
+        return experts, []
     masks = _candidates(experts, inputs, cost)
     n_load = masks.sum(axis=1)
     feasible = (n_load >= inputs.min_loads) & (n_load <= inputs.load_cap)
