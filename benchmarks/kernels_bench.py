@@ -1,17 +1,25 @@
-"""Triton router and confidence kernels against their torch references on one CUDA GPU (written for the H200).
+"""Triton router, confidence and fused-MoE kernels against their torch references on one CUDA GPU (written for the
+H200).
 
 Per case: median latency of one isolated call (CUDA events around each call, synchronised before each, after a
 warm-up), kernel launches per call (torch.profiler's device events: kernels, with memsets and copies counted apart),
-and for the confidence kernel the effective bandwidth (bytes of logits read once / time) against the HBM peak. The
+and for the confidence and MoE kernels the effective bandwidth (bytes read once / time) against the HBM peak. The
 results are checked on the GPU first: router ids equal (a row may differ only on an exact tie of biased scores,
 reported as tie_rows) and weights within 1e-6 relative; x0 equal (or tied in the reference's probabilities) and its
-probability within 1e-5 relative, NaN/Inf rows non-finite. One JSON line per case on stdout, and in --out.
+probability within 1e-5 relative, NaN/Inf rows non-finite; MoE pair outputs every one written and within
+MOE_MAX_ERR of the largest output and MOE_REL_L2 overall of the torch path's. One JSON line per case on stdout, and
+in --out.
 
     python benchmarks/kernels_bench.py --out kernels.json
+    python benchmarks/kernels_bench.py --cases moe --moe-tiles gate_up_n=64,down_n=128 --moe-tiles num_warps=8
 
 Shapes: router at T in (32, 256, 2048) with LLaDA2.0-mini's gate (H 2048, E 256, 8 groups, top-4 groups, top-8,
 bf16 hidden, weight and bias); confidence at B in (32, 256) with V 157,184. Confidence inputs are cycled through
-enough copies to exceed twice the L2, so each call reads its logits from HBM.
+enough copies to exceed twice the L2, so each call reads its logits from HBM. MoE: LLaDA2.0-mini's routed experts
+(H 2048, I 512, top-8, bf16, 6 MiB an expert) over a layer's slot pool of S in (256, 103) slots (all resident, a
+40 % budget), decode steps of T tokens routed to U unique experts, (T, U) in MOE_ROUTING; fused_swiglu_pairs
+against grouped_swiglu + index_copy_ (ExpertManager._grouped's torch path). GB/s count the unique experts' weight
+bytes once (192-282 MiB a call, well past the L2; two routings are cycled); floor_us is that at --peak-gbps.
 
 Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
 2 no CUDA device or no Triton.
@@ -30,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # run from a checkout without installing
 
+CASES = ("router", "confidence", "moe")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -37,6 +46,11 @@ EXPERTS, HIDDEN = 256, 2048
 CONFIDENCE_ROWS = (32, 256)
 VOCAB = 157_184
 WEIGHT_RTOL, PROB_RTOL = 1e-6, 1e-5
+MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 2048, 512, 8       # LLaDA2.0-mini's routed experts
+MOE_SLOTS = (256, 103)                                 # a layer's slots at 100 % and 40 % of the experts
+MOE_ROUTING = ((32, 32), (32, 47), (64, 32), (64, 47))  # (tokens, unique experts) of a decode step
+# bf16, same rounding points, fp32 sums in another order: elements an ulp or two apart at most
+MOE_MAX_ERR, MOE_REL_L2 = 2**-6, 2**-9
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,6 +119,38 @@ def compare_non_finite(want, got) -> dict:
     ok = ok and not bool(torch.isfinite(p[:6]).any())
     return {"rows": int(x0.shape[0]), "ok": ok, "x0": x0.tolist(), "reference_x0": ref_x0.tolist(),
             "prob_finite": torch.isfinite(p).tolist()}
+
+
+def compare_moe(want, got) -> dict:
+    """The torch path's pair outputs vs the kernels' (want was filled with NaN first, so a row the kernels left
+    unwritten is caught as non-finite)."""
+    diff = got.float() - want.float()
+    scale = float(want.float().abs().max())
+    max_err = float(diff.abs().max())
+    rel_l2 = float(diff.norm() / want.float().norm().clamp_min(1e-30))
+    finite = bool(torch.isfinite(got).all())
+    return {"rows": int(got.shape[0]), "all_written": finite, "max_abs_err": max_err, "max_abs_ref": scale,
+            "rel_l2": rel_l2, "equal_fraction": float((got == want).float().mean()),
+            "ok": finite and max_err <= MOE_MAX_ERR * scale and rel_l2 <= MOE_REL_L2}
+
+
+def moe_routing(tokens, unique, slots, top_k, generator) -> torch.Tensor:
+    """pair_slots [T * k] of a decode step: `unique` experts, each in a random slot and each routed to at least
+    once, k distinct a token, the other pairs drawn with a Zipf popularity (a few experts take many tokens)."""
+    if not top_k <= unique <= min(tokens * top_k, slots):
+        raise ValueError(f"{unique} unique experts do not fit {tokens} tokens x top-{top_k} over {slots} slots")
+    slot_of = torch.randperm(slots, generator=generator)[:unique]
+    cover = torch.randperm(unique, generator=generator)
+    popularity = 1.0 / torch.arange(1, unique + 1, dtype=torch.float64)
+    rows = []
+    for t in range(tokens):
+        first = cover[t * top_k:(t + 1) * top_k]           # the first tokens route to every expert once
+        weights = popularity.clone()
+        weights[first] = 0.0
+        rest = (torch.multinomial(weights, top_k - len(first), generator=generator) if len(first) < top_k
+                else first[:0])
+        rows.append(torch.cat([first, rest]))
+    return slot_of[torch.stack(rows)].reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,6 +265,45 @@ def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed
             "torch": counter(reference, inputs[0]), "triton": counter(kernel, inputs[0]), "check": check}
 
 
+def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN, inter=MOE_INTER, top_k=MOE_TOP_K,
+             tiles=None, copies=2, seed=0, peak_gbps=PEAK_GBPS) -> dict:
+    from dataclasses import asdict
+
+    from oled.kernels.triton_moe import DEFAULT_TILES, fused_swiglu_pairs
+    from oled.runtime.grouped import grouped_swiglu
+
+    tiles = tiles or DEFAULT_TILES
+    g = torch.Generator().manual_seed(seed + 1000 * tokens + unique)
+    pool = torch.randn(slots, 3 * inter * hidden, generator=g).to(device, torch.bfloat16) * hidden**-0.5
+    pool[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5                  # outputs O(1), as h is
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    pairs = tokens * top_k
+    pair_tokens = torch.arange(pairs, device=device) // top_k
+    args = [(x, moe_routing(tokens, unique, slots, top_k, g).to(device),
+             torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
+
+    def reference(x, pair_slots, out):          # ExpertManager._grouped's torch path, every pair served
+        order, y = grouped_swiglu(x, pair_tokens, pair_slots, pool, hidden, inter)
+        out.index_copy_(0, order, y)
+
+    def fused(x, pair_slots, out):
+        fused_swiglu_pairs(x, pair_slots, pool, hidden, inter, out, tiles=tiles)
+
+    want, got = (torch.full_like(args[0][2], math.nan) for _ in range(2))
+    reference(x, args[0][1], want)
+    fused(x, args[0][1], got)
+    check = compare_moe(want, got)
+    torch_us, fused_us = timer(reference, args), timer(fused, args)
+    weight_bytes = unique * 3 * inter * hidden * pool.element_size()
+    return {"case": "moe", "tokens": tokens, "top_k": top_k, "pairs": pairs, "unique_experts": unique,
+            "slots": slots, "hidden": hidden, "intermediate": inter, "tiles": asdict(tiles),
+            "weight_bytes": weight_bytes, "torch_us": torch_us, "fused_us": fused_us, "speedup": torch_us / fused_us,
+            "torch_gbps": gbps(weight_bytes, torch_us), "fused_gbps": gbps(weight_bytes, fused_us),
+            "peak_gbps": peak_gbps, "floor_us": weight_bytes / (peak_gbps * 1e9) * 1e6,
+            "fused_fraction_of_peak": gbps(weight_bytes, fused_us) / peak_gbps,
+            "torch": counter(reference, args[0]), "fused": counter(fused, args[0]), "check": check}
+
+
 def copies_beyond_l2(num_bytes: int, l2_bytes: int) -> int:
     """Enough copies of an input that cycling through them never finds the last one still in L2."""
     return max(1, math.ceil(2 * l2_bytes / num_bytes))
@@ -233,10 +318,30 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=50, help="timed calls per measurement (median; at least 20)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first (the first compiles the kernels)")
     p.add_argument("--peak-gbps", type=float, default=PEAK_GBPS, help="HBM bandwidth to compare against, GB/s")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} "
+                                                               "(default: all)")
+    p.add_argument("--moe-tiles", action="append", metavar="FIELD=N,...",
+                   help="fused-MoE tiles to measure instead of the defaults (oled.kernels.triton_moe.MoeTiles "
+                        "fields, e.g. gate_up_n=64,down_n=128,num_warps=8); repeat for several configurations")
     args = p.parse_args(argv)
     if args.repeats < 20:
         p.error("--repeats must be at least 20")
+    args.cases = [c for c in args.cases.split(",") if c]
+    if not args.cases or set(args.cases) - set(CASES):
+        p.error(f"--cases takes a comma-separated list of {', '.join(CASES)}")
+    try:
+        args.moe_tiles = [parse_tiles(spec) for spec in args.moe_tiles or [""]]
+    except (TypeError, ValueError) as e:
+        p.error(f"--moe-tiles: {e}")
     return args
+
+
+def parse_tiles(spec: str):
+    """"gate_up_n=64,num_warps=8" -> MoeTiles with those fields, the defaults for the others."""
+    from oled.kernels.triton_moe import MoeTiles
+
+    fields = dict(item.split("=", 1) for item in spec.split(",") if item)
+    return MoeTiles(**{name: int(value) for name, value in fields.items()})
 
 
 def environment() -> dict:
@@ -265,11 +370,20 @@ def main(argv=None) -> int:
     out = open(args.out, "w") if args.out else None
     failed = []
     try:
-        cases = [lambda t=t: router_case(t, device="cuda", timer=timer, counter=cuda_launches)
-                 for t in ROUTER_TOKENS]
-        cases += [lambda r=r: confidence_case(r, device="cuda", timer=timer, counter=cuda_launches,
-                                              copies=copies_beyond_l2(r * VOCAB * 4, l2), peak_gbps=args.peak_gbps)
-                  for r in CONFIDENCE_ROWS]
+        cases = []
+        if "router" in args.cases:
+            cases += [lambda t=t: router_case(t, device="cuda", timer=timer, counter=cuda_launches)
+                      for t in ROUTER_TOKENS]
+        if "confidence" in args.cases:
+            cases += [lambda r=r: confidence_case(r, device="cuda", timer=timer, counter=cuda_launches,
+                                                  copies=copies_beyond_l2(r * VOCAB * 4, l2),
+                                                  peak_gbps=args.peak_gbps)
+                      for r in CONFIDENCE_ROWS]
+        if "moe" in args.cases:
+            cases += [lambda t=t, u=u, s=s, tiles=tiles: moe_case(t, u, s, device="cuda", timer=timer,
+                                                                  counter=cuda_launches, tiles=tiles,
+                                                                  peak_gbps=args.peak_gbps)
+                      for tiles in args.moe_tiles for s in MOE_SLOTS for t, u in MOE_ROUTING]
         for case in cases:
             record = {"bench": "kernels", **case(), "env": env}
             line = json.dumps(record)

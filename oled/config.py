@@ -41,6 +41,8 @@ class EngineConfig:
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
     fused_router: bool = False            # LLaDA2's router as one Triton kernel after the gate GEMM (needs Triton and
                                           # CUDA, or TRITON_INTERPRET=1; off until measured in the engine)
+    fused_moe: bool = False               # the routed experts as Triton kernels over the slot pool instead of the
+                                          # torch grouped GEMMs (same needs; off until measured on the H200)
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

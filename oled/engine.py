@@ -60,7 +60,9 @@ class Engine:
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
         if cfg.fused_router:
-            self._check_fused_router_runs()
+            self._check_triton_runs("--fused-router", "router_kernel", "sigmoid_group_route_kernel")
+        if cfg.fused_moe:
+            self._check_triton_runs("--fused-moe", "moe_kernel", "gate_up_kernel")
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
@@ -141,7 +143,7 @@ class Engine:
                 log.info("miss service: %s", self.costs.describe())
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
                                      costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
-                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback)
+                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.cfg.fused_moe)
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.policy.static_full
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
@@ -151,17 +153,20 @@ class Engine:
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.predicted_routing
 
-    def _check_fused_router_runs(self) -> None:
-        """Before any loading: Triton is there and can run on this device."""
+    def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
+        """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on
+        this device."""
+        import importlib
+
         from .kernels import triton_support
 
         if not triton_support.available():
-            raise ValueError("--fused-router needs Triton and a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU "
+            raise ValueError(f"{flag} needs Triton and a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU "
                              "interpreter)")
         if self.device.type != "cuda":
-            from .kernels import router_kernel
-            if not triton_support.interpreted(router_kernel.sigmoid_group_route_kernel):
-                raise ValueError(f"--fused-router needs a CUDA device (the engine runs on {self.device}), or "
+            fn = getattr(importlib.import_module(f".kernels.{module}", __package__), kernel)
+            if not triton_support.interpreted(fn):
+                raise ValueError(f"{flag} needs a CUDA device (the engine runs on {self.device}), or "
                                  f"TRITON_INTERPRET=1")
 
     def _use_fused_router(self) -> None:

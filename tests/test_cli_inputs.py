@@ -169,15 +169,16 @@ def test_waves_only_for_the_cooperative_oled_policies(capsys):
     assert main(["generate", "def f(", *TINY, "--policy", "oled", "--waves", "--expert-budget", "0.25"]) == 0
 
 
-def test_fused_router_without_cuda_is_one_line():
-    """On a CPU-only machine (no TRITON_INTERPRET) --fused-router is refused before any work (its own process: a
-    test that switched Triton's interpreter on keeps it on for the rest of the process)."""
+@pytest.mark.parametrize("flag", ["--fused-router", "--fused-moe"])
+def test_triton_flags_without_cuda_are_one_line(flag):
+    """On a CPU-only machine (no TRITON_INTERPRET) the Triton kernels' flags are refused before any work (its own
+    process: a test that switched Triton's interpreter on keeps it on for the rest of the process)."""
     cli = "import sys; from oled.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", cli, "generate", "hi", *TINY, "--fused-router"],
+    run = subprocess.run([sys.executable, "-c", cli, "generate", "hi", *TINY, flag],
                          capture_output=True, text=True, timeout=120, env=env)
     lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1 and "--fused-router needs" in lines[0], lines
+    assert run.returncode == 2 and len(lines) == 1 and f"{flag} needs" in lines[0], lines
 
 
 @pytest.mark.parametrize("flags, words", [(["--cpu-chunks", "0"], "cpu_chunks must be an integer >= 1"),

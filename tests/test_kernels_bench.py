@@ -156,3 +156,38 @@ def test_bandwidth_and_l2_copies():
     assert bench.gbps(4_300_000, 1.0) == pytest.approx(4300.0)
     assert bench.copies_beyond_l2(20 * 2**20, 50 * 2**20) == 5
     assert bench.copies_beyond_l2(200 * 2**20, 50 * 2**20) == 1
+
+
+def test_compare_moe():
+    want = torch.randn(6, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    verdict = bench.compare_moe(want, want.clone())
+    assert verdict["ok"] and verdict["equal_fraction"] == 1.0 and verdict["all_written"]
+    unwritten = want.clone()
+    unwritten[3] = math.nan                                       # a row the kernels did not write
+    verdict = bench.compare_moe(want, unwritten)
+    assert not verdict["ok"] and not verdict["all_written"]
+    off = want.clone()
+    off[1, 5] += 0.1 * float(want.abs().max())                    # one element far past an ulp or two
+    assert not bench.compare_moe(want, off)["ok"]
+
+
+def test_moe_routing_has_exactly_the_unique_experts_asked_for():
+    g = torch.Generator().manual_seed(0)
+    for tokens, unique, slots in ((32, 32, 256), (32, 47, 103), (64, 47, 256), (2, 8, 8)):
+        pair_slots = bench.moe_routing(tokens, unique, slots, 8, g)
+        per_token = pair_slots.view(tokens, 8)
+        assert pair_slots.shape == (tokens * 8,) and int(pair_slots.unique().numel()) == unique
+        assert all(int(row.unique().numel()) == 8 for row in per_token)       # k distinct experts a token
+        assert 0 <= int(pair_slots.min()) and int(pair_slots.max()) < slots
+    with pytest.raises(ValueError):
+        bench.moe_routing(2, 17, 256, 8, g)                                    # more experts than pairs
+
+
+def test_cases_and_moe_tiles_arguments():
+    args = bench.parse_args(["--cases", "moe", "--moe-tiles", "down_n=128,num_warps=8", "--moe-tiles", ""])
+    assert args.cases == ["moe"]
+    assert [(t.down_n, t.num_warps) for t in args.moe_tiles] == [(128, 8), (64, 4)]
+    assert len(bench.parse_args([]).moe_tiles) == 1 and bench.parse_args([]).cases == list(bench.CASES)
+    for bad in (["--cases", "gemm"], ["--moe-tiles", "down_n=48"], ["--moe-tiles", "rows=16"], ["--moe-tiles", "x"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

@@ -1,9 +1,9 @@
 """Triton kernels (fused LLaDA2 router, greedy confidence) against their torch references in fp32, on the CPU
-through Triton's interpreter; plus an ahead-of-time compile of the same kernels for sm_90 (the H200), which checks
-the compiled-only code (libdevice expf, correctly rounded division, vector loads) without a GPU."""
+through Triton's interpreter; plus an ahead-of-time compile of the same kernels and of the fused MoE's
+(tests/test_triton_moe.py tests those) for sm_90 (the H200), which checks the compiled-only code (libdevice expf,
+correctly rounded division, vector loads, tensor-core MMA) without a GPU."""
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -18,27 +18,11 @@ import torch
 
 from oled.decoding.rules import predict as predict_reference
 from oled.models.router import sigmoid_group_route as route_reference
+from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _import_triton_for_the_interpreter():
-    """Triton decides interpreted vs compiled when a function is decorated, its own library (tl.max, tl.sum, ...)
-    included, which is decorated by `import triton`: so TRITON_INTERPRET must be set when Triton is first imported
-    in this process. It is set for that import only (and again by the fixture while the kernels are built), so it
-    never lingers in the environment of other tests or of their subprocesses."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return pytest.importorskip("triton")    # a guard only: the `test` extra installs triton
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-triton = _import_triton_for_the_interpreter()
+triton = import_triton_for_the_interpreter()
 
 # The interpreter evaluates both sides of every tl.where in numpy, which warns about the side thrown away
 # (exp(-inf - -inf) in a lane that saw only padding, 1 / 0 in a row the NaN branch answers).
@@ -48,18 +32,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 
 @pytest.fixture(scope="module")
 def k():
-    """The launchers, with their kernels built for the interpreter. Triton stays in interpreter mode for the rest
-    of this process (its library was decorated so); no other test uses it."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.standard.max, InterpretedFunction):
-        pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module; run it in its own process")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
+    """The launchers, with their kernels built for the interpreter (which the rest of this process keeps: only
+    the Triton kernel tests use Triton in-process)."""
+    mp = interpreted_kernels("router_kernel", "confidence_kernel")
     from oled.kernels import confidence_kernel, router_kernel, triton_confidence, triton_router, triton_support
 
-    importlib.reload(router_kernel)        # rebuilt, in case something imported them compiled before
-    importlib.reload(confidence_kernel)
     assert triton_support.interpreted(router_kernel.sigmoid_group_route_kernel)
     assert triton_support.interpreted(confidence_kernel.scan_kernel)
     yield SimpleNamespace(route=triton_router.sigmoid_group_route, route_logits=triton_router.sigmoid_group_route_logits,
@@ -340,6 +317,8 @@ COMPILE_SM90 = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from oled.kernels.confidence_kernel import combine_kernel, scan_kernel
+    from oled.kernels.moe_align_kernel import align_pairs_kernel
+    from oled.kernels.moe_kernel import down_kernel, gate_up_kernel
     from oled.kernels.router_kernel import sigmoid_group_route_kernel
 
     def build(fn, signature, constexprs, num_warps, aligned=()):
@@ -366,6 +345,31 @@ COMPILE_SM90 = textwrap.dedent("""
     outputs = {name: kind for name, kind in parts.items() if name != "logits_ptr"}
     combine = build(combine_kernel, dict(outputs, splits="i32"), {"BLOCK_SPLITS": 16}, 1)
     assert combine["cubin"]
+
+    # the fused MoE at LLaDA2.0-mini's shapes with the launcher's default tiles (oled/kernels/triton_moe.py)
+    align = build(align_pairs_kernel,
+        {"pair_slots_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32", "cursor_ptr": "*i32",
+         "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "num_blocks": "i32"},
+        {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 256, "BLOCK_FILL": 1024}, 4)
+    # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
+    assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
+    tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
+    blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32"}
+    for dtype in ("bf16", "fp32"):
+        gate_up = build(gate_up_kernel,
+            dict(blocks, x_ptr=f"*{dtype}", pool_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32",
+                 pool_row_stride="i32", top_k="i32"), dict(tiles, BLOCK_N=32), 4,
+            aligned=("x_ptr", "pool_ptr", "act_ptr", "x_row_stride", "pool_row_stride"))
+        down = build(down_kernel,
+            dict(blocks, act_ptr=f"*{dtype}", pool_ptr=f"*{dtype}", out_ptr=f"*{dtype}", pool_row_stride="i32",
+                 out_row_stride="i32"), dict(tiles, BLOCK_N=64), 4,
+            aligned=("act_ptr", "pool_ptr", "out_ptr", "pool_row_stride", "out_row_stride"))
+        for asm in (gate_up, down):
+            assert "cp.async.cg.shared.global" in asm["ptx"], "weight tiles stream in 16-byte async copies"
+            # bf16 on the tensor cores; fp32 with input_precision="ieee" as exact FMAs, never TF32
+            assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
+            assert "tf32" not in asm["ptx"]
+    assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"
 """)
 
 

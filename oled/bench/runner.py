@@ -109,6 +109,7 @@ class BenchConfig:
     cuda_graphs: bool = True
     offload_graphs: bool = True
     fused_router: bool = False
+    fused_moe: bool = False
     cpu_kernel: dict = field(default_factory=dict)   # EngineConfig's cpu_* fields (the CPU kernel's knobs)
     # decoding and protocol
     decode: DecodeParams = field(default_factory=DecodeParams)
@@ -256,7 +257,8 @@ class Bench:
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
-                            offload_graphs=cfg.offload_graphs, fused_router=cfg.fused_router, **cfg.cpu_kernel,
+                            offload_graphs=cfg.offload_graphs, fused_router=cfg.fused_router, fused_moe=cfg.fused_moe,
+                            **cfg.cpu_kernel,
                             policy="lru",
                             expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)

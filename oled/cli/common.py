@@ -79,6 +79,10 @@ def add_execution_args(g) -> None:
                    help="LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
                         "gate GEMM: the same ids and weights in fewer launches (needs Triton and CUDA; not yet measured "
                         "in the engine; default: off)")
+    g.add_argument("--fused-moe", action="store_true",
+                   help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
+                        "device, gate|up then down, written straight to each pair's row) instead of torch's grouped "
+                        "GEMMs (needs Triton and CUDA; not yet measured in the engine; default: off)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
@@ -106,7 +110,7 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, fused_router=args.fused_router,
-                        profile=getattr(args, "profile", False), **cpu_kernel_fields(args))
+                        fused_moe=args.fused_moe, profile=getattr(args, "profile", False), **cpu_kernel_fields(args))
 
 
 CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_cost_feedback", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us",

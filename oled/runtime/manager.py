@@ -51,7 +51,7 @@ FORWARD_HOLD_S = 1.0
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0],
-                 cpu_cost_feedback: bool = True):
+                 cpu_cost_feedback: bool = True, fused_moe: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -61,6 +61,12 @@ class ExpertManager:
         self.stats = RunStats()
         self.timer = timer
         self.cuda = self.device.type == "cuda"
+        # EngineConfig.fused_moe: the Triton kernels over the slot pool (oled/kernels/triton_moe.py) instead of
+        # grouped_swiglu; they write the served pairs' rows only
+        self.fused_swiglu = None
+        if fused_moe:
+            from ..kernels.triton_moe import fused_swiglu_pairs
+            self.fused_swiglu = fused_swiglu_pairs
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
@@ -146,13 +152,17 @@ class ExpertManager:
     def _grouped(self, layer, x, pair_slots, y_pairs, n_valid: int | None) -> None:
         """Grouped compute of the pairs with a slot (>= 0) into their rows of y_pairs. n_valid=None writes every row
         (rows of pairs without a slot get unspecified values: a static shape for graphs); otherwise only the
-        n_valid rows of the served pairs, leaving the others as they are."""
+        n_valid rows of the served pairs, leaving the others as they are. The fused kernels write the served
+        rows only, either way."""
         with self._section("gpu_experts"):
+            base = self.layer_pos[layer] * self.cache.capacity
+            pool = self.cache.pool[base:base + self.cache.capacity]
+            if self.fused_swiglu is not None:
+                self.fused_swiglu(x, pair_slots, pool, self.hidden, self.inter, y_pairs, slot_base=base)
+                return
             k = pair_slots.shape[0] // x.shape[0]                 # pairs are token-major: T tokens x k experts
             pair_tokens = torch.arange(pair_slots.shape[0], device=x.device) // k
-            base = self.layer_pos[layer] * self.cache.capacity
-            order, y = grouped_swiglu(x, pair_tokens, pair_slots, self.cache.pool[base:base + self.cache.capacity],
-                                      self.hidden, self.inter, slot_base=base)
+            order, y = grouped_swiglu(x, pair_tokens, pair_slots, pool, self.hidden, self.inter, slot_base=base)
             if n_valid is None or n_valid == pair_slots.shape[0]:
                 y_pairs.index_copy_(0, order, y)
             else:
@@ -252,6 +262,9 @@ class ExpertManager:
         """Device part two: the first wave's loads, into their rows of y_pairs (every other row kept). Static
         shapes, so a graph replays it."""
         with self._section("gpu_experts"):
+            if self.fused_swiglu is not None:              # writes the loads' rows only: no temporary, no select
+                self._grouped(layer, x, load_slots, y_pairs, n_valid=None)
+                return
             y = torch.empty_like(y_pairs)
             self._grouped(layer, x, load_slots, y, n_valid=None)
             torch.where((load_slots >= 0).unsqueeze(-1), y, y_pairs, out=y_pairs)

@@ -1,0 +1,79 @@
+"""Triton kernel: one MoE call's (token, expert) pairs grouped by slot into blocks of BLOCK_M rows, on the device.
+
+Imports Triton unconditionally; only oled.kernels.triton_moe imports this module, and only when Triton is
+available. The launcher and the layout are documented there.
+
+One program does it all, so the alignment is one launch whatever the routing: a histogram of the slots, padded
+offsets by a prefix sum, the block -> slot table, then each pair placed by an atomic increment of its slot's
+cursor. A decode call's few hundred pairs are one pass of each. Loops are `while` loops with runtime bounds: a
+shape change costs no compilation, and Triton 3.6's interpreter cannot run a `for` over a runtime range under
+NumPy >= 2.4 (triton-lang/triton#9171).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _slot_of(pair_slots_ptr, pair, num_pairs, num_slots, slot_base):
+    """Each pair's slot relative to this pool, -1 for a pair without one (-1 in pair_slots, past the end, or a
+    slot outside the pool, which is then never read)."""
+    slot = tl.load(pair_slots_ptr + pair, mask=pair < num_pairs, other=-1)
+    rel = slot - slot_base
+    return tl.where((slot >= 0) & (rel >= 0) & (rel < num_slots), rel, -1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "num_blocks"])
+def align_pairs_kernel(
+    pair_slots_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr,
+    num_pairs, num_slots, slot_base, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
+):
+    """pair_slots [num_pairs] -> sorted_pairs [num_blocks * BLOCK_M] int32, block_slots [num_blocks] int32
+    (cursor [BLOCK_S] int32 is scratch).
+
+    Slot s owns the rows from the sum of the padded counts of slots < s: its pairs, then -1 up to a multiple of
+    BLOCK_M. The order of a slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU),
+    which no result depends on: every row is computed on its own. block_slots[b] is the slot of rows
+    b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1 for a block past the used rows (the compute kernels' programs
+    for it return at once; its rows of sorted_pairs are never written or read).
+    """
+    lane = tl.arange(0, BLOCK_P)
+    slots = tl.arange(0, BLOCK_S)
+    fill = tl.arange(0, BLOCK_FILL)
+
+    counts = tl.zeros([BLOCK_S], tl.int32)
+    start = 0
+    while start < num_pairs:
+        slot = _slot_of(pair_slots_ptr, start + lane, num_pairs, num_slots, slot_base)
+        # masked-out lanes are 0, not -1: the interpreter's masked histogram takes them back off bin 0
+        counts += tl.histogram(tl.where(slot >= 0, slot, 0), BLOCK_S, mask=slot >= 0)
+        start += BLOCK_P
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    used_rows = tl.sum(padded, axis=0)
+
+    tl.store(cursor_ptr + slots, starts)
+    blocks = padded // BLOCK_M
+    most = tl.max(blocks, axis=0)
+    j = 0
+    while j < most:
+        tl.store(block_slots_ptr + starts // BLOCK_M + j, slots, mask=j < blocks)
+        j += 1
+    first = used_rows // BLOCK_M
+    while first < num_blocks:
+        tl.store(block_slots_ptr + first + fill, tl.full([BLOCK_FILL], -1, tl.int32), mask=first + fill < num_blocks)
+        first += BLOCK_FILL
+    first = 0
+    while first < used_rows:
+        tl.store(sorted_pairs_ptr + first + fill, tl.full([BLOCK_FILL], -1, tl.int32), mask=first + fill < used_rows)
+        first += BLOCK_FILL
+    tl.debug_barrier()          # cursors and padding written before any thread places a pair
+
+    start = 0
+    while start < num_pairs:
+        pair = start + lane
+        slot = _slot_of(pair_slots_ptr, pair, num_pairs, num_slots, slot_base)
+        placed = slot >= 0
+        row = tl.atomic_add(cursor_ptr + tl.where(placed, slot, 0), 1, mask=placed, sem="relaxed")
+        tl.store(sorted_pairs_ptr + row, pair, mask=placed)
+        start += BLOCK_P

@@ -1,0 +1,192 @@
+"""The routed experts of one MoE call over a layer's slot pool in three Triton launches: a drop-in for
+oled.runtime.grouped.grouped_swiglu followed by its index_copy_.
+
+For every (token, expert) pair p = t * k + j whose slot s = pair_slots[p] is in the pool,
+    out[p] = down_s( silu(gate_s x[t]) * up_s x[t] )
+and every other row of `out` is left as it was. The pool holds one layer's slots, a blob a row:
+gate [I, H] | up [I, H] | down [H, I].
+
+Launches, the same three whatever the routing, with shapes fixed by (T, k, S) alone (no host synchronisation,
+so a CUDA graph captures them and replays them with other routing):
+  1. align (oled/kernels/moe_align_kernel.py, one program): pairs grouped by slot (a histogram, a prefix sum,
+     an atomic cursor a slot), each slot's rows padded to a multiple of BLOCK_M with -1, and a table
+     block -> slot; sized for the worst case, P + min(P, S) * (BLOCK_M - 1) rows, so blocks past the used
+     rows are marked empty;
+  2. gate|up (oled/kernels/moe_kernel.py): a program per (block, BLOCK_N columns of I): x rows gathered by
+     token, gate and up tiles read in the same pass over H, SiLU(gate) * up in the epilogue, written to an
+     intermediate in x's dtype;
+  3. down: a program per (block, BLOCK_N columns of H), stored straight to out[p] of each row that holds a pair.
+Programs of empty blocks return after one load. The scratch (pair list, block table, cursors, intermediate) is
+four torch.empty of those fixed shapes, no tensor op. The alignment is one program making passes of 1,024 pairs:
+one for decode, tens for a long prefill.
+
+Rounding: as the torch path, every product accumulates in fp32 and the intermediates are rounded where torch
+stores them: h = x @ [gate; up]^T to x's dtype, silu(h_gate) to x's dtype (computed in fp32 as torch's CUDA silu
+does, expf and an IEEE division), the product to x's dtype, the output to x's dtype. What differs is the order
+of the fp32 sums (tiles of BLOCK_K here, cuBLAS/CUTLASS's own split in torch._grouped_mm): in bf16 an element of
+h, hence of the output, may land a bf16 ulp or two away from the torch path's (under the interpreter, against
+torch's CPU path, 99.97 % to 100 % of the outputs had the same bits at H 128 to 512; on the GPU
+benchmarks/kernels_bench.py measures it); in fp32 they agree to rounding (about 1e-6 relative). Under the
+interpreter the SiLU takes numpy's exp (an ulp from torch's CPU exp at times), and bf16 is rounded on the bits,
+to nearest even as a compiled cast rounds (the interpreter's own cast truncates).
+
+Independence: a pair's output depends only on x[t] and its slot's weights: the K order is fixed, tiles are
+row-independent (which row of its block a pair lands in, the atomics' order on a GPU, does not matter), and no
+split of K depends on the routing. So a pair gives the same bits alone or among many, in any slot
+(tests/test_triton_moe.py checks it under the interpreter).
+
+Tiles: MoeTiles below. The defaults are meant for decode on LLaDA2.0-mini (H 2048, I 512, top-8, 1-4 pairs an
+expert, ~40 experts a call): memory bound, so the aim is to read each active expert's 6 MiB once with enough
+programs in flight: 40 experts x 16 tiles of I (launch 2) and x 32 tiles of H (launch 3) are 640 and 1,280
+programs for 132 SMs. BLOCK_M is fixed (not chosen from P) so that the MMA shape, hence a pair's bits, never
+depend on the call's size. Not yet measured; configurations to try on the H200 (benchmarks/kernels_bench.py
+--moe-tiles):
+  gate_up_n 16 / 32 / 64, gate_up_k 64 / 128 / 256; down_n 32 / 64 / 128, down_k 64 / 128 / 256;
+  num_warps 4 / 8; num_stages 2 / 3 / 4 / 5; block_m 16 (decode) vs 32 / 64 (prefill, hundreds of pairs an
+  expert, where the weights are re-read per block and MMA efficiency starts to matter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .triton_support import available, check_device, interpreted
+
+__all__ = ["MoeTiles", "align_pairs", "available", "fused_swiglu_pairs", "padded_rows"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_TILE = 16                  # tl.dot's smallest M, N and K
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes (powers of two, at least 16) and launch options of the two compute launches. A tile wider than
+    its dimension, or not dividing it, is halved until it divides (so no column or K mask is ever needed)."""
+    block_m: int = 16           # pair rows a block (decode: 1-4 pairs an expert; 16 is tl.dot's minimum)
+    gate_up_n: int = 32         # columns of I a program of launch 2 (I 512: 16 programs an expert)
+    gate_up_k: int = 128        # H a step
+    down_n: int = 64            # columns of H a program of launch 3 (H 2048: 32 programs an expert)
+    down_k: int = 128           # I a step
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "gate_up_n", "gate_up_k", "down_n", "down_k"):
+            tile = getattr(self, name)
+            if tile < _MIN_TILE or tile & (tile - 1):
+                raise ValueError(f"{name} must be a power of two >= {_MIN_TILE}, got {tile}")
+
+
+DEFAULT_TILES = MoeTiles()
+
+
+def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Rows of the aligned pair list: every slot with pairs pads at most block_m - 1 rows, and at most
+    min(P, S) slots have pairs."""
+    rows = num_pairs + min(num_pairs, num_slots) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor, hidden: int,
+                       intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
+                       tiles: MoeTiles = DEFAULT_TILES) -> None:
+    """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
+    is in the pool; other rows of out untouched.
+
+    x [T, H]; pair_slots [T * k] int64, token-major (-1: no slot; a slot outside slot_base .. slot_base + S - 1
+    is skipped as well); pool [S, 3 * I * H] (rows contiguous, any row stride); out [T * k, H] (rows
+    contiguous, any row stride), written in place. x, pool and out share a dtype (fp32, bf16 or fp16) and a
+    device. Raises ValueError for anything else. Three launches (see the module docstring), none when there are
+    no pairs or no slots.
+    """
+    from .moe_kernel import down_kernel, gate_up_kernel
+
+    x, pair_slots = _check(x, pair_slots, pool, hidden, intermediate, out, slot_base)
+    check_device(gate_up_kernel, x, pair_slots, pool, out)
+    num_slots = pool.shape[0]
+    if pair_slots.shape[0] == 0 or num_slots == 0:
+        return
+    top_k = pair_slots.shape[0] // x.shape[0]
+    block_m = tiles.block_m
+    sorted_pairs, block_slots = align_pairs(pair_slots, num_slots, slot_base, block_m)
+    num_blocks = block_slots.shape[0]
+    act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
+
+    launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    n_up, k_up = _fit(tiles.gate_up_n, intermediate), _fit(tiles.gate_up_k, hidden)
+    gate_up_kernel[(num_blocks, intermediate // n_up)](
+        x, pool, sorted_pairs, block_slots, act, x.stride(0), pool.stride(0), top_k,
+        HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
+    n_down, k_down = _fit(tiles.down_n, hidden), _fit(tiles.down_k, intermediate)
+    down_kernel[(num_blocks, hidden // n_down)](
+        act, pool, sorted_pairs, block_slots, out, pool.stride(0), out.stride(0),
+        HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
+
+
+def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch 1: pair_slots [P] int64 (contiguous, P > 0) -> (sorted_pairs [padded_rows] int32, block_slots
+    [padded_rows / block_m] int32), as oled/kernels/moe_align_kernel.py lays them out."""
+    import triton
+
+    from .moe_align_kernel import align_pairs_kernel
+
+    num_pairs, device = pair_slots.shape[0], pair_slots.device
+    rows = padded_rows(num_pairs, num_slots, block_m)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    block_slots = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    block_s = triton.next_power_of_2(num_slots)
+    cursor = torch.empty(block_s, dtype=torch.int32, device=device)
+    # a decode call's pairs (T * k of a few hundred) in one pass: 1,024 pairs over 4 warps
+    align_pairs_kernel[(1,)](
+        pair_slots, sorted_pairs, block_slots, cursor, num_pairs, num_slots, slot_base, block_slots.shape[0],
+        BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
+        BLOCK_FILL=1024,
+        num_warps=4)
+    return sorted_pairs, block_slots
+
+
+def _fit(tile: int, dim: int) -> int:
+    """The largest power of two <= tile that divides dim (dim is a multiple of 16, checked before)."""
+    while dim % tile:
+        tile //= 2
+    return tile
+
+
+def _check(x, pair_slots, pool, hidden, intermediate, out, slot_base):
+    """Shapes, dtypes, devices and layouts, one ValueError each; returns x and pair_slots with unit inner
+    stride (copied if needed: the kernels index them flat)."""
+    tensors = {"x": x, "pair_slots": pair_slots, "pool": pool, "out": out}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"x, pair_slots, pool and out must be on one device, got {sorted(map(str, devices))}")
+    if hidden % _MIN_TILE or intermediate % _MIN_TILE or hidden <= 0 or intermediate <= 0:
+        raise ValueError(f"hidden and intermediate must be positive multiples of {_MIN_TILE}, got {hidden}, "
+                         f"{intermediate}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got {tuple(x.shape)}")
+    if pair_slots.dim() != 1 or pair_slots.dtype != torch.int64:
+        raise ValueError(f"pair_slots must be [T * k] int64, got {tuple(pair_slots.shape)} {pair_slots.dtype}")
+    tokens, num_pairs = x.shape[0], pair_slots.shape[0]
+    if (tokens == 0) != (num_pairs == 0) or (tokens and num_pairs % tokens):
+        raise ValueError(f"pair_slots must hold k pairs for each of the {tokens} tokens, got {num_pairs}")
+    if pool.dim() != 2 or pool.shape[1] != 3 * intermediate * hidden or pool.stride(1) != 1:
+        raise ValueError(f"pool must be [S, {3 * intermediate * hidden}] with contiguous rows, got "
+                         f"{tuple(pool.shape)} strides {pool.stride()}")
+    if out.shape != (num_pairs, hidden) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{num_pairs}, {hidden}] with contiguous rows, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    if x.dtype not in _DTYPES or pool.dtype != x.dtype or out.dtype != x.dtype:
+        raise ValueError(f"x, pool and out must share one of {[str(d) for d in _DTYPES]}, got {x.dtype}, "
+                         f"{pool.dtype}, {out.dtype}")
+    if not isinstance(slot_base, int) or slot_base < 0:
+        raise ValueError(f"slot_base must be an int >= 0, got {slot_base!r}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if pair_slots.stride(0) != 1:
+        pair_slots = pair_slots.contiguous()
+    return x, pair_slots
