@@ -10,7 +10,10 @@
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
 #          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
-#   fused  `full` and `lru` at 100/40 % with and without --fused-router (the Triton router kernel), back to back
+#   fused  `full` and `lru` at 100/40 % with and without FUSED_FLAG (default --fused-router, the Triton router
+#          kernel; --fused-moe: the Triton routed-experts kernels), back to back
+#   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
+#          the fused-MoE kernels at their default tiles and at KERNEL_TILES' configurations too)
 #   overhead  where an offloaded forward's time goes: wall, GPU kernel time, launches and host steps per forward for
 #          full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks POLICY@BUDGET runs)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
@@ -97,9 +100,17 @@ if has busy; then
   timeout ${BUSY_S:-240} taskset -c ${BUSY_CPUS:-0,1} python3 benchmarks/busy_cores.py --repeats ${BUSY_REPEATS:-3} \
     --extra --device cpu > $R/busy.log 2>&1; echo "busy rc=$?"; cat $R/busy.log
 fi
+if has kernels; then
+  tiles=""; for t in ${KERNEL_TILES:-gate_up_n=64,down_n=128 num_warps=8 gate_up_k=256,down_k=256}; do
+    tiles="$tiles --moe-tiles $t"; done
+  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py --out $R/kernels.jsonl > $R/kernels.log 2>&1
+  echo "kernels rc=$?"
+  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py --cases moe $tiles --out $R/kernels-tiles.jsonl \
+    > $R/kernels-tiles.log 2>&1; echo "kernels (tiles) rc=$?"; tail -40 $R/kernels.log; tail -30 $R/kernels-tiles.log
+fi
 if has fused; then
   for mode in plain fused; do
-    flag=""; [ $mode = fused ] && flag=--fused-router
+    flag=""; [ $mode = fused ] && flag=${FUSED_FLAG:---fused-router}
     timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets 1.0,0.4 --policies full,lru --no-bound $flag \
       --out $R/fused-$mode > $R/fused-$mode.log 2>&1; echo "fused stage ($mode) rc=$?"
   done
