@@ -109,14 +109,15 @@ if has kernels; then
     > $R/kernels-tiles.log 2>&1; echo "kernels (tiles) rc=$?"; tail -40 $R/kernels.log; tail -30 $R/kernels-tiles.log
 fi
 if has fused; then
-  for mode in plain fused; do
+  for mode in ${FUSED_MODES:-plain fused}; do
     flag=""; [ $mode = fused ] && flag=${FUSED_FLAG:---fused-router}
-    timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets 1.0,0.4 --policies full,lru --no-bound $flag \
-      --out $R/fused-$mode > $R/fused-$mode.log 2>&1; echo "fused stage ($mode) rc=$?"
+    timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets ${FUSED_BUDGETS:-1.0,0.4} \
+      --policies ${FUSED_POLICIES:-full,lru} --no-bound $flag --out $R/fused-$mode > $R/fused-$mode.log 2>&1
+    echo "fused stage ($mode) rc=$?"
   done
   python3 - $R/fused-plain $R/fused-fused <<'PY'
-import json, sys
-for d in sys.argv[1:]:
+import json, os, sys
+for d in filter(os.path.isdir, sys.argv[1:]):
     for line in open(f"{d}/results.jsonl"):
         r = json.loads(line)
         print(d.rsplit("/", 1)[-1], r["policy"], r["budget"], "TPOT ms", r["metrics"]["tpot_ms"]["median"],

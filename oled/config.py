@@ -26,8 +26,9 @@ class EngineConfig:
     # the CPU expert kernel (runtime/cpu_kernel.py; what each did on the H200 host: benchmarks/CPU_KERNEL_NOTES.md)
     cpu_wake: str = "layer"               # when its sleeping workers are woken: layer (ahead of a layer that had CPU
                                           # work the last time), forward (held through each forward) or off
-    cpu_cost_feedback: bool = True        # the planner's CPU terms follow the CPU jobs' time in the engine (median
-                                          # ratio to the start-up cost model, per forward); off: the model as measured
+    cpu_cost_feedback: bool = False       # the planner's CPU terms follow the CPU jobs' time in the engine (median
+                                          # ratio to the start-up cost model, per forward); off by default: not faster
+                                          # on the H200 (BENCHMARKS.md section 14), and decisions then depend on timing
     cpu_isa: str = "auto"                 # auto (AMX for jobs of cpu_amx_min_tokens or more, else AVX-512 BF16, where
                                           # the CPU has them), avx512_bf16, or portable C
     cpu_amx_min_tokens: int = 4           # 0: never AMX

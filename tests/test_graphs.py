@@ -21,9 +21,7 @@ PROMPT = "hello world, how are you today?"
 
 @pytest.fixture(scope="module")
 def llm():
-    # CPU cost feedback off: its scale follows the CPU jobs' wall times, which differ between the eager and the
-    # replayed run, and these tests compare the two runs' decisions
-    return oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full", cpu_cost_feedback=False)
+    return oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full")
 
 
 def _run(llm, graphs, gen_length=64, threshold=0.95):

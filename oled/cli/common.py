@@ -69,9 +69,10 @@ def add_execution_args(g) -> None:
                    help="no software prefetch of the next weight rows in the CPU kernel")
     g.add_argument("--cpu-prefetch-distance", type=int, default=d.cpu_prefetch_distance, metavar="N",
                    help="CPU kernel AMX path: prefetch distance in 64-byte columns; 0: off (default: %(default)s)")
-    g.add_argument("--no-cpu-cost-feedback", dest="cpu_cost_feedback", action="store_false",
-                   help="plan CPU jobs on the start-up cost model as measured (default: its CPU terms follow the "
-                        "median ratio of the CPU jobs' time in the engine to the model's, per forward)")
+    g.add_argument("--cpu-cost-feedback", action="store_true",
+                   help="the planner's CPU terms follow the median ratio of the CPU jobs' time in the engine to the "
+                        "start-up cost model's, per forward (default: off, the model as measured; decisions then "
+                        "depend on timing)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")

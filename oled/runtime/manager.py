@@ -51,7 +51,7 @@ FORWARD_HOLD_S = 1.0
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0],
-                 cpu_cost_feedback: bool = True, fused_moe: bool = False):
+                 cpu_cost_feedback: bool = False, fused_moe: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
