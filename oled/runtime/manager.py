@@ -396,12 +396,11 @@ class ExpertManager:
         rec.cpu_s_model += predicted
         if self.cpu_feedback is not None:
             self.cpu_feedback.observe(path_s, predicted)
-        # Both copies from pinned buffers and without waiting: a blocking copy would drain the GPU's queue, so that
-        # every later launch of the forward reached an idle GPU. The buffers are written again only by the next CPU
-        # job, which starts after the host waited for a later routing read-back on this stream.
-        pairs = self._staging("cpu_pairs", tuple(pair_idx.shape), torch.int64).copy_(pair_idx)
-        y_pairs.index_copy_(0, pairs.to(y_pairs.device, non_blocking=self.cuda),
-                            out.to(y_pairs.device, y_pairs.dtype, non_blocking=self.cuda))
+        # Blocking copies, which drain the GPU's queue: with non-blocking ones (7eb7fac) oled's CPU jobs ran 1.85 x
+        # longer on the H200 at 25 % on learned routing (BENCHMARKS.md section 14), the planner's decisions unchanged.
+        # Not understood; a candidate is that the host then runs ahead of the GPU and the workers' hold
+        # (LAYER_HOLD_S) ends before the next layer's job arrives.
+        y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
 
     # ------------------------------------------------------------------------------------------ loop events
     def begin_forward(self, info: ForwardInfo) -> None:
