@@ -4,7 +4,8 @@ checks), replayed from a trace on the CPU: the decisions the engine makes, witho
     python benchmarks/policy_step_cost.py TRACE COST_MODEL_RESULTS.jsonl [--budget 0.4] [--requests 1]
         [--policies lru,oled-retain,oled] [--polling-workers]
 
-The cost model is the first one found in the results file (a bench run's result lines). --polling-workers keeps the
+The cost model is the first one found in the results file (a bench run's result lines). Each policy's decisions are
+printed too (per denoising iteration: layers with CPU work, CPU experts and pairs, loads). --polling-workers keeps the
 CPU expert kernel's workers (the engine's default number, pinned as the engine pins them) polling through the
 replays, as `--cpu-wake layer` does around a layer's host step: whether they slow the main thread's Python.
 """
@@ -53,9 +54,14 @@ def main():
         best = float("inf")
         for _ in range(3):                 # the least of 3 replays: other work only adds time
             spent[:] = [0.0, 0]
-            replay(trace, policy, args.budget, costs)
+            rows = [r for r in replay(trace, policy, args.budget, costs).stats.records if r.kind == "iteration"]
             best = min(best, spent[0] / max(spent[1], 1))
-        print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer ({spent[1]} layers)")
+        its = max(len({r.forward for r in rows}), 1)
+        per_it = {what: sum(map(count, rows)) / its for what, count in (
+            ("CPU layers", lambda r: r.pairs_cpu > 0), ("CPU experts", lambda r: r.experts_cpu),
+            ("CPU pairs", lambda r: r.pairs_cpu), ("loads", lambda r: r.loads))}
+        print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer ({spent[1]} layers); per iteration: "
+              + ", ".join(f"{v:.2f} {what}" for what, v in per_it.items()))
     if kernel is not None:
         kernel.hold(0.0)
 

@@ -9,7 +9,8 @@ So the expert manager reports each CPU job's time from its submission to its res
 and before each forward the planner's CPU terms are scaled by the median ratio of the last WINDOW jobs: a forward
 plans on one scale, quantised to steps of STEP so that noise does not change decisions, within SCALE_RANGE. Plain
 Python. The scale of each forward is recorded in a trace, and its replay plans on it, so a replay reaches the live
-run's decisions.
+run's decisions. Off by default (EngineConfig.cpu_cost_feedback): on the H200 it made no run faster (BENCHMARKS.md
+section 14), and with it two runs of the same request can split misses differently.
 """
 from __future__ import annotations
 
