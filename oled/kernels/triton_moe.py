@@ -25,8 +25,8 @@ stores them: h = x @ [gate; up]^T to x's dtype, silu(h_gate) to x's dtype (compu
 does, expf and an IEEE division), the product to x's dtype, the output to x's dtype. What differs is the order
 of the fp32 sums (tiles of BLOCK_K here, cuBLAS/CUTLASS's own split in torch._grouped_mm): in bf16 an element of
 h, hence of the output, may land a bf16 ulp or two away from the torch path's (under the interpreter, against
-torch's CPU path, 99.97 % to 100 % of the outputs had the same bits at H 128 to 512; on the GPU
-benchmarks/kernels_bench.py measures it); in fp32 they agree to rounding (about 1e-6 relative). Under the
+torch's CPU path, 99.97 % to 100 % of the outputs had the same bits at H 128 to 512; on the H200 at LLaDA2.0-mini
+shapes, benchmarks/kernels_bench.py found every output bit-identical, BENCHMARKS.md section 14); in fp32 they agree to rounding (about 1e-6 relative). Under the
 interpreter the SiLU takes numpy's exp (an ulp from torch's CPU exp at times), and bf16 is rounded on the bits,
 to nearest even as a compiled cast rounds (the interpreter's own cast truncates).
 
@@ -39,8 +39,9 @@ Tiles: MoeTiles below. The defaults are meant for decode on LLaDA2.0-mini (H 204
 expert, ~40 experts a call): memory bound, so the aim is to read each active expert's 6 MiB once with enough
 programs in flight: 40 experts x 16 tiles of I (launch 2) and x 32 tiles of H (launch 3) are 640 and 1,280
 programs for 132 SMs. BLOCK_M is fixed (not chosen from P) so that the MMA shape, hence a pair's bits, never
-depend on the call's size. Not yet measured; configurations to try on the H200 (benchmarks/kernels_bench.py
---moe-tiles):
+depend on the call's size. On the H200 only eager calls are measured (launch-bound, 138-304 µs against torch's
+350-1,244 µs, BENCHMARKS.md section 14); the kernels' GPU time and the tiles are not yet tuned. Configurations to try
+(benchmarks/kernels_bench.py --moe-tiles):
   gate_up_n 16 / 32 / 64, gate_up_k 64 / 128 / 256; down_n 32 / 64 / 128, down_k 64 / 128 / 256;
   num_warps 4 / 8; num_stages 2 / 3 / 4 / 5; block_m 16 (decode) vs 32 / 64 (prefill, hundreds of pairs an
   expert, where the weights are re-read per block and MMA efficiency starts to matter).
