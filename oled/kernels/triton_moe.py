@@ -26,8 +26,8 @@ does, expf and an IEEE division), the product to x's dtype, the output to x's dt
 of the fp32 sums (tiles of BLOCK_K here, cuBLAS/CUTLASS's own split in torch._grouped_mm): in bf16 an element of
 h, hence of the output, may land a bf16 ulp or two away from the torch path's (under the interpreter, against
 torch's CPU path, 99.97 % to 100 % of the outputs had the same bits at H 128 to 512; on the H200 at LLaDA2.0-mini
-shapes, benchmarks/kernels_bench.py found every output bit-identical, BENCHMARKS.md section 14); in fp32 they agree to rounding (about 1e-6 relative). Under the
-interpreter the SiLU takes numpy's exp (an ulp from torch's CPU exp at times), and bf16 is rounded on the bits,
+shapes, benchmarks/kernels_bench.py found every output bit-identical, BENCHMARKS.md section 14); in fp32 they
+agree to rounding (about 1e-6 relative). Under the interpreter the SiLU takes numpy's exp (an ulp from torch's CPU exp at times), and bf16 is rounded on the bits,
 to nearest even as a compiled cast rounds (the interpreter's own cast truncates).
 
 Independence: a pair's output depends only on x[t] and its slot's weights: the K order is fixed, tiles are

@@ -73,21 +73,21 @@ class CostModel:
 
     def cpu_expert_seconds_of(self, tokens: np.ndarray) -> np.ndarray:
         """cpu_expert_seconds of each token count (an int array): the very same values, from a lookup table."""
-        return self._lookup(self._cpu_lut, self.cpu_expert_seconds, tokens)
+        return self._lookup(self.cpu_expert_seconds, tokens)
 
     def gpu_expert_seconds_of(self, tokens: np.ndarray) -> np.ndarray:
         """gpu_expert_seconds of each token count (an int array)."""
-        return self._lookup(self._gpu_lut, self.gpu_expert_seconds, tokens)
+        return self._lookup(self.gpu_expert_seconds, tokens)
 
-    @staticmethod
-    def _lookup(lut: list, per_tokens, tokens: np.ndarray) -> np.ndarray:
-        """lut[0] is the table of per_tokens(0 .. n-1), grown when a larger count is asked for: the planner asks for
-        every miss and hit of every layer, a few small counts that recur."""
+    def _lookup(self, per_tokens, tokens: np.ndarray) -> np.ndarray:
+        """per_tokens of each count from a table of per_tokens(0 .. n-1), grown when a larger count is asked for: the
+        planner asks for every miss of every layer, a few small counts that recur."""
         tokens = np.asarray(tokens, dtype=np.int64)
         top = int(tokens.max()) if tokens.size else 0
-        if lut[0] is None or top >= lut[0].size:
-            lut[0] = np.array([per_tokens(t) for t in range(max(2 * top + 1, 64))])
-        return lut[0][tokens]
+        table = self._tables.get(per_tokens.__name__)
+        if table is None or top >= table.size:
+            table = self._tables[per_tokens.__name__] = np.array([per_tokens(t) for t in range(max(2 * top + 1, 64))])
+        return table[tokens]
 
     def cpu_transfer_seconds(self, rows: int, pairs: int) -> float:
         """The activations' round trip of a layer with CPU work: its input rows to the host, the pairs' outputs
@@ -103,12 +103,8 @@ class CostModel:
         return sorted(self.gpu_seconds)
 
     @cached_property
-    def _cpu_lut(self) -> list:
-        return [None]
-
-    @cached_property
-    def _gpu_lut(self) -> list:
-        return [None]
+    def _tables(self) -> dict[str, np.ndarray]:
+        return {}
 
     @cached_property
     def _cpu_memo(self) -> dict[int, float]:
@@ -205,8 +201,8 @@ def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int 
     """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
     expert. On the GPU the call is captured in a CUDA graph and its replays are timed with CUDA events (median of
     rounds of back-to-back replays): the engine replays it in a graph, and timing eager calls measures the host's
-    launches instead (26-28 µs per expert at every token count on the H200, where a profile of the all-resident
-    forward shows about 2.3 ms of grouped GEMMs per forward for 19 layers of 32-47 experts: about 3 µs each)."""
+    launches instead: 26-28 µs per expert at every token count on the H200, against 5.6-7.2 µs from replays
+    (BENCHMARKS.md section 14)."""
     from .grouped import grouped_swiglu
 
     layer, n = store.layers[0], min(n_experts, store.config.num_experts)

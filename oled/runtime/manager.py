@@ -251,7 +251,7 @@ class ExpertManager:
         ready = self._ready[self.layer_pos[layer]]     # the device slot map the hits were computed with
         late_hits = [e for e in step.hits if ready[e] < 0]
         slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits)
-        if n_valid:       # through a pinned buffer of the layer's: a pageable copy can make the host wait for the GPU
+        if n_valid:       # through a pinned buffer of the layer's: the driver stages a copy from pageable memory
             staged = self._staging(f"load_slots_host{layer}", slots_np.shape, torch.int64)
             staged.copy_(torch.from_numpy(slots_np))
             load_slots.copy_(staged, non_blocking=True)

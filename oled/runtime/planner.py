@@ -97,9 +97,9 @@ def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.n
         return _every_subset(n)
     # what an expert adds to the CPU side of a split with loads: its kernel time, slowed beside copies, and its
     # outputs' way back
-    tok = [inputs.tokens[e] for e in experts]
-    cpu_t = np.array([cost.cpu_expert_seconds(t) for t in tok]) * cost.cpu_slowdown_with_copies \
-        + cost.cpu_transfer_seconds(0, np.array(tok)) - cost.transfer_seconds
+    tok = np.fromiter((inputs.tokens[e] for e in experts), dtype=np.int64, count=n)
+    cpu_t = cost.cpu_expert_seconds_of(tok) * cost.cpu_slowdown_with_copies \
+        + cost.cpu_transfer_seconds(0, tok) - cost.transfer_seconds
     credit = np.array([inputs.credit.get(e, 0.0) for e in experts])
     ids = np.array(experts)
     # orders, most worth loading first (np.lexsort: last key first; ties by lower id)

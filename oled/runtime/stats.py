@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")   # per-record wall times: differ between runs, absent from a trace replay
+# per-record wall times: differ between runs, absent from a trace replay
+TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
             "bytes_h2d", "resident", "resident_used")
 
