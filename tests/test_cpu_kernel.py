@@ -150,9 +150,46 @@ def test_bad_arguments(fast):
         fast.run(x, tok, offs, blobs, I, torch.empty(2, H, dtype=torch.bfloat16))  # out dtype
 
 
+def test_submitted_batches_give_their_results_when_waited_for(fast, portable):
+    """submit returns a job; its outputs are complete once wait() returns, while this thread did other work
+    meanwhile. The job keeps the batch's tensors alive (the caller drops its own), and a second submit waits for the
+    first batch (its job then returns the first batch's time)."""
+    import gc
+
+    for kernel in (fast, portable):
+        cases = [make_case(96, 40, counts, torch.bfloat16, gen=torch.Generator().manual_seed(i))
+                 for i, counts in enumerate(([3, 1, 9], [32, 2]))]
+        refs = [reference(*case, 40) for case in cases]
+        outs, jobs = [], []
+        for x, tok, offs, blobs in cases:
+            out = torch.full((tok.numel(), 96), float("nan"))
+            jobs.append(kernel.submit(x.clone(), tok.clone(), offs.clone(), [b.clone() for b in blobs], 40, out))
+            outs.append(out)
+            gc.collect()                        # the clones are referenced by the job only
+        assert jobs[0].seconds is not None      # the second submit waited for the first batch
+        seconds = [job.wait() for job in jobs]
+        assert all(s > 0 for s in seconds) and jobs[1].wait() == seconds[1]
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        assert kernel.submit(cases[0][0], cases[0][1][:0], torch.tensor([0]), [], 40,
+                             torch.empty(0, 96)).wait() == 0.0
+
+
+def test_close_waits_for_a_batch_in_flight():
+    k = CpuExpertKernel(num_threads=1)
+    x, tok, offs, blobs = make_case(256, 128, [32, 32, 32], torch.bfloat16, gen=torch.Generator().manual_seed(3))
+    out = torch.full((tok.numel(), 256), float("nan"))
+    job = k.submit(x, tok, offs, blobs, 128, out)
+    k.close()                                   # before anyone waited
+    assert job.seconds is not None and job.seconds > 0
+    torch.testing.assert_close(out, reference(x, tok, offs, blobs, 128), rtol=2e-2, atol=2e-2)
+    assert job.wait() == job.seconds
+
+
 def test_runs_from_worker_thread_and_reuses_pool(fast):
-    """The engine calls run from a worker thread while the main thread does other work; repeated calls reuse the
-    pool (shapes change between calls, scratch grows)."""
+    """run may be called from a thread other than the one that made the kernel (the cost model's copy-slowdown
+    measurement does, while the main thread copies); repeated calls reuse the pool (shapes change between calls,
+    scratch grows)."""
     errs = []
 
     def work():

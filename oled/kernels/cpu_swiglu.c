@@ -171,7 +171,11 @@ typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t done;  /* futex: set to gen by the last worker */
     _Alignas(CACHE_LINE) _Atomic int remaining;
     _Alignas(CACHE_LINE) _Atomic int sleepers;   /* workers inside futex_wait(gen) */
-    _Alignas(CACHE_LINE) int64_t last_ns;        /* duration of the last oled_run, inside the library */
+    _Alignas(CACHE_LINE) int64_t last_ns;        /* duration of the last task, inside the library */
+    _Alignas(CACHE_LINE) int64_t start_ns;       /* when the task in flight was submitted */
+    _Atomic int64_t done_ns;                     /* when its last worker finished */
+    uint32_t inflight_gen;                       /* gen of the task submitted and not yet waited for */
+    int inflight;                                /* a task was submitted and not yet waited for */
     _Alignas(CACHE_LINE) _Atomic int64_t hold_until; /* now_ns() until which idle workers poll instead of sleeping */
     _Alignas(CACHE_LINE) _Atomic int bar_cnt;
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_gen;
@@ -845,6 +849,7 @@ static void *worker_main(void *arg) {
         if (p->stop) break;
         run_task(p, tid);
         if (atomic_fetch_sub(&p->remaining, 1) == 1) {
+            atomic_store(&p->done_ns, now_ns());
             atomic_store(&p->done, seen);
             futex_wake_all(&p->done);
         }
@@ -856,6 +861,7 @@ static void *worker_main(void *arg) {
 /* public API (ctypes)                                                                                            */
 
 void oled_pool_destroy(void *handle);
+void oled_wait(void *handle);
 
 /* cpus: n entries, the core each worker pins itself to (-1: not pinned), or NULL. */
 void *oled_pool_create(int n, const int *cpus, int64_t spin_ns) {
@@ -887,6 +893,7 @@ void *oled_pool_create(int n, const int *cpus, int64_t spin_ns) {
 void oled_pool_destroy(void *handle) {
     pool_t *p = (pool_t *)handle;
     if (!p) return;
+    oled_wait(p);           /* a task in flight reads the caller's buffers: let it end first */
     p->stop = 1;
     atomic_fetch_add(&p->gen, 1);
     futex_wake_all(&p->gen);
@@ -937,14 +944,31 @@ static int ensure(void **buf, size_t *cap, size_t need) {
     return 0;
 }
 
-/* Returns 0 on success, <0 on bad arguments (-1), token index out of range (-2), allocation failure (-3),
+/* Waits for the task oled_submit started (none: returns at once) and sets oled_pool_last_ns to its time from
+ * submission to its last worker's finish. The caller sleeps on its own futex after a short spin: it is a Python
+ * thread, not one of the pinned cores. */
+void oled_wait(void *handle) {
+    pool_t *p = (pool_t *)handle;
+    if (!p->inflight) return;
+    uint32_t g = p->inflight_gen;
+    for (uint32_t d; (d = atomic_load_explicit(&p->done, memory_order_acquire)) != g;)
+        wait_change(&p->done, d, 20000, NULL, NULL);
+    p->last_ns = atomic_load(&p->done_ns) - p->start_ns;
+    p->inflight = 0;
+}
+
+/* Starts one task on the pool's workers and returns without waiting for it (oled_wait does): the caller keeps
+ * launching GPU work meanwhile, and no thread of the caller's has to run for the task to proceed. Every buffer it
+ * names must stay valid until oled_wait returns. A task still in flight is waited for first.
+ * Returns 0 on success, <0 on bad arguments (-1), token index out of range (-2), allocation failure (-3),
  * unsupported mode (-4). Must not be called concurrently on one pool.
  * mode: 0 portable, 1 AVX-512 BF16, 2 AVX-512 BF16 + AMX for jobs with >= amx_min tokens (needs H, I multiples
  * of 32; oled_has_amx() must have returned 1). tokw: per-token cost of a weight element in 1/256 of its read. */
-int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
-             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
-             int64_t amx_min, int chunks_per_thread) {
+int oled_submit(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
+                int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
+                int64_t amx_min, int chunks_per_thread) {
     pool_t *p = (pool_t *)handle;
+    if (p) oled_wait(p);    /* the workers own the task struct and the scratch buffers until then */
     int64_t t_start = now_ns();
     if (!p || H <= 0 || I <= 0 || P < 0 || J < 0 || T < 0) return -1;
     p->last_ns = 0;
@@ -999,11 +1023,20 @@ int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64
     atomic_store(&p->next2, 0);
 
     atomic_store(&p->remaining, p->n);
+    p->start_ns = t_start;
     uint32_t g = atomic_fetch_add(&p->gen, 1) + 1;
+    p->inflight_gen = g;
+    p->inflight = 1;
     if (atomic_load(&p->sleepers) > 0) futex_wake_all(&p->gen);
-    /* the caller sleeps on its own futex after a short spin: it is a Python thread, not one of the pinned cores */
-    for (uint32_t d; (d = atomic_load_explicit(&p->done, memory_order_acquire)) != g;)
-        wait_change(&p->done, d, 20000, NULL, NULL);
-    p->last_ns = now_ns() - t_start;
     return 0;
+}
+
+/* oled_submit, then oled_wait: one task, returned when done. */
+int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
+             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
+             int64_t amx_min, int chunks_per_thread) {
+    int rc = oled_submit(handle, mode, x, x_bf16, T, H, I, tok, P, off, J, blobs, w_bf16, out, tokw, amx_min,
+                         chunks_per_thread);
+    if (rc == 0) oled_wait(handle);
+    return rc;
 }

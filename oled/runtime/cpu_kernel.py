@@ -1,8 +1,9 @@
 """CPU SwiGLU expert kernel: computes "missed" experts on the CPU while the GPU computes the others.
 
 The C source (oled/kernels/cpu_swiglu.c) is compiled on first use with the system compiler and cached under
-~/.cache/oled/kernels/<hash of source, flags and compiler>/; it is loaded through ctypes, which releases the GIL
-around every call, so `run` overlaps GPU work launched from the main Python thread.
+~/.cache/oled/kernels/<hash of source, flags and compiler>/ and loaded through ctypes. Its worker threads are the
+library's own: `submit` starts a batch and returns, so the engine's main thread goes on launching GPU work while
+the batch runs, and waits for it (without the GIL) only when it needs the outputs.
 
 The kernel's knobs are CpuExpertKernel's arguments, EngineConfig's cpu_* fields and the CLI's --cpu-* flags:
 worker count, instruction set (auto / avx512_bf16 / portable), the token count from which AMX is used, pinning, the
@@ -210,8 +211,10 @@ def _load_library() -> ctypes.CDLL | None:
         lib.oled_pool_pinned.argtypes = [P]
         lib.oled_set_prefetch.restype = None
         lib.oled_set_prefetch.argtypes = [I32]
-        lib.oled_run.restype = I32
-        lib.oled_run.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64, I64, I32]
+        lib.oled_submit.restype = I32
+        lib.oled_submit.argtypes = [P, I32, P, I32, I64, I64, I64, P, I64, P, I64, P, I32, P, I64, I64, I32]
+        lib.oled_wait.restype = None
+        lib.oled_wait.argtypes = [P]
         _lib = lib
         return lib
 
@@ -238,7 +241,11 @@ def check_knobs(isa: str, amx_min_tokens: int, spin_us: float, chunks: int, pref
 class CpuExpertKernel:
     """Computes batches of (expert, tokens) SwiGLU jobs of one MoE layer on the CPU.
 
-    `run` may be called from any one thread at a time (calls are serialised by a lock); it releases the GIL.
+    `submit` starts a batch on the library's worker threads and returns at once; its job's `wait` blocks (without
+    the GIL) until the batch is done. The engine submits from its main thread and goes on launching GPU work, so no
+    Python thread has to be scheduled, or to win the GIL from the main thread, for a batch to start or finish (with
+    a Python worker thread, each batch waited for the GIL). `run` is submit and wait. One batch is in flight at a
+    time: a submit waits for the previous batch first. Calls are serialised by a lock.
     """
 
     name: str  # "amx" (AVX-512 BF16 + AMX for jobs with many tokens), "avx512_bf16", "portable" or "torch"
@@ -261,6 +268,7 @@ class CpuExpertKernel:
         self.num_threads = max(1, int(num_threads))
         self._lock = threading.Lock()
         self._pool = None
+        self._inflight: CpuJob | None = None    # the batch submitted and not yet waited for
         self.cpus: list[int] = []
         lib = _load_library()
         self._lib = lib
@@ -297,8 +305,9 @@ class CpuExpertKernel:
 
     def close(self) -> None:
         """Stop the worker threads (also done at garbage collection)."""
-        with self._lock:  # not while a run is in flight
+        with self._lock:
             if self._pool is not None:
+                self._wait_locked()
                 self._finalizer()
                 self._pool = None
 
@@ -309,6 +318,12 @@ class CpuExpertKernel:
         x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down;
         out [P,H] fp32. All contiguous CPU tensors.
         """
+        return self.submit(x, token_idx, job_offsets, blobs, intermediate, out).wait()
+
+    def submit(self, x, token_idx, job_offsets, blobs, intermediate: int, out) -> "CpuJob":
+        """`run`'s batch, started without waiting for it: out is written by the time the job's `wait` returns.
+        The job keeps every tensor the batch reads or writes alive until then. The torch fallback computes the batch
+        here, before returning."""
         T, H = x.shape
         J = len(blobs)
         I = int(intermediate)
@@ -322,7 +337,7 @@ class CpuExpertKernel:
         if out.dtype != torch.float32 or tuple(out.shape) != (P, H) or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous fp32 [{P}, {H}] tensor")
         if J == 0 or P == 0:
-            return 0.0
+            return CpuJob.finished(0.0)
         wdtype = blobs[0].dtype
         E = 3 * I * H
         for b in blobs:
@@ -333,7 +348,7 @@ class CpuExpertKernel:
         if self._lib is None:
             t0 = time.perf_counter()
             _torch_run(x, token_idx, job_offsets, blobs, I, out)
-            return time.perf_counter() - t0
+            return CpuJob.finished(time.perf_counter() - t0)
         token_idx = token_idx.contiguous()
         job_offsets = job_offsets.contiguous()
         ptrs = (ctypes.c_int64 * J)(*[b.data_ptr() for b in blobs])
@@ -342,14 +357,35 @@ class CpuExpertKernel:
         with self._lock:
             if self._pool is None:
                 raise RuntimeError("kernel closed")
-            rc = self._lib.oled_run(
+            self._wait_locked()       # the batch before, if its caller has not waited for it
+            rc = self._lib.oled_submit(
                 self._pool, mode, x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, token_idx.data_ptr(), P,
                 job_offsets.data_ptr(), J, ctypes.addressof(ptrs), int(wdtype == torch.bfloat16), out.data_ptr(),
                 _TOKEN_COST_256THS, self.amx_min_tokens, self._chunks)
-            seconds = self._lib.oled_pool_last_ns(self._pool) / 1e9
-        if rc != 0:
-            raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
-        return seconds
+            if rc != 0:
+                raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
+            job = self._inflight = CpuJob(self, (x, token_idx, job_offsets, blobs, ptrs, out))
+        return job
+
+    def _wait(self, job: "CpuJob") -> None:
+        with self._lock:
+            if job is self._inflight:
+                self._wait_locked()
+
+    def drain(self) -> None:
+        """Wait for the batch in flight, if any."""
+        with self._lock:
+            if self._pool is not None:
+                self._wait_locked()
+
+    def _wait_locked(self) -> None:
+        """Wait for the batch in flight and give its job the kernel's own seconds (the library releases the GIL)."""
+        job = self._inflight
+        if job is None:
+            return
+        self._lib.oled_wait(self._pool)
+        self._inflight = None
+        job.seconds, job.keep = self._lib.oled_pool_last_ns(self._pool) / 1e9, None
 
     def hold(self, seconds: float) -> None:
         """Keep the idle workers polling for the next `seconds` (0: let them sleep after the usual short spin). A hold
@@ -363,6 +399,26 @@ class CpuExpertKernel:
     def pinned_threads(self) -> int:
         """Workers that pinned themselves to their core (known once they have run)."""
         return self._lib.oled_pool_pinned(self._pool) if self._pool else 0
+
+
+class CpuJob:
+    """A batch started by CpuExpertKernel.submit. `wait()` returns the kernel's own seconds once the batch is done
+    (at once if it is); until then the job keeps the batch's tensors alive."""
+    __slots__ = ("kernel", "keep", "seconds")
+
+    def __init__(self, kernel, keep):
+        self.kernel, self.keep, self.seconds = kernel, keep, None
+
+    @classmethod
+    def finished(cls, seconds: float) -> "CpuJob":
+        job = cls(None, None)
+        job.seconds = seconds
+        return job
+
+    def wait(self) -> float:
+        if self.seconds is None:
+            self.kernel._wait(self)
+        return self.seconds
 
 
 def _torch_run(x, token_idx, job_offsets, blobs, I, out) -> None:

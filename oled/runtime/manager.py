@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +73,6 @@ class ExpertManager:
         self.cpu_kernel = cpu_kernel
         self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
                                   # measured time, so a run shows how well the model the planner relies on holds
-        self.cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu") if cpu_kernel else None
         # each CPU job's time from submission to result against its predicted time: the planner's CPU terms follow
         # what the jobs take in the engine (EngineConfig.cpu_cost_feedback)
         self.cpu_feedback = CpuCostFeedback() if cpu_cost_feedback and cpu_kernel and costs is not None else None
@@ -364,12 +362,9 @@ class ExpertManager:
         blobs = [self.store.blob(layer, int(e)) for e in job_experts]
         out = self._staging("out", (len(pair_idx), self.hidden), torch.float32)
         submitted = time.perf_counter()
-
-        def work():      # (the kernel's own time, the time from submission: the hand-off to the worker included)
-            kernel_s = self.cpu_kernel.run(x_host, token_idx, offsets, blobs, self.inter, out)
-            return kernel_s, time.perf_counter() - submitted
-
-        return self.cpu_pool.submit(work), torch.from_numpy(pair_idx), out, predicted
+        # started on the kernel's own threads: this thread goes on with the layer's copies and GPU work
+        job = self.cpu_kernel.submit(x_host, token_idx, offsets, blobs, self.inter, out)
+        return job, submitted, torch.from_numpy(pair_idx), out, predicted
 
     def _staging_device(self, name: str, numel: int) -> torch.Tensor:
         """A reused int64 device buffer (the eager path's first-wave slots)."""
@@ -388,9 +383,10 @@ class ExpertManager:
         return buf[:numel].view(*shape)
 
     def _finish_cpu(self, job, y_pairs, rec) -> None:
-        future, pair_idx, out, predicted = job
+        cpu_job, submitted, pair_idx, out, predicted = job
         with self._section("cpu_experts"):
-            kernel_s, path_s = future.result()
+            kernel_s = cpu_job.wait()       # the kernel's own time
+        path_s = time.perf_counter() - submitted     # from submission to result: the workers' wake-up included
         rec.cpu_s += kernel_s
         rec.cpu_path_s += path_s
         rec.cpu_s_model += predicted
@@ -441,8 +437,9 @@ class ExpertManager:
         self.policy.on_request_start()
 
     def close(self) -> None:
-        if self.cpu_pool is not None:
-            self.cpu_pool.shutdown(wait=True)
+        """Wait for a CPU job that an exception left in flight: it reads and writes this manager's buffers."""
+        if self.cpu_kernel is not None:
+            self.cpu_kernel.drain()
 
 
 class _Null:
