@@ -13,6 +13,7 @@ import argparse
 import json
 import time
 
+from oled.runtime import planner
 from oled.runtime.cost_model import CostModel
 from oled.runtime.residency import Residency
 from oled.trace import Trace, replay
@@ -50,10 +51,24 @@ def main():
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
     Residency.begin_layer = timed
+    plans = [0, 0]                         # layers the planner was asked about, and those it searched
+    split, candidates = planner.split_misses, planner._candidates
+
+    def counted_split(*a, **k):
+        plans[0] += 1
+        return split(*a, **k)
+
+    def counted_candidates(*a, **k):
+        plans[1] += 1
+        return candidates(*a, **k)
+    planner.split_misses, planner._candidates = counted_split, counted_candidates
+    import oled.policies.base as policy_base
+    policy_base.split_misses = counted_split
     for policy in args.policies.split(","):
         best = float("inf")
         for _ in range(3):                 # the least of 3 replays: other work only adds time
             spent[:] = [0.0, 0]
+            plans[:] = [0, 0]
             rows = [r for r in replay(trace, policy, args.budget, costs).stats.records if r.kind == "iteration"]
             best = min(best, spent[0] / max(spent[1], 1))
         its = max(len({r.forward for r in rows}), 1)
@@ -61,7 +76,8 @@ def main():
             ("CPU layers", lambda r: r.pairs_cpu > 0), ("CPU experts", lambda r: r.experts_cpu),
             ("CPU pairs", lambda r: r.pairs_cpu), ("loads", lambda r: r.loads))}
         print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer ({spent[1]} layers); per iteration: "
-              + ", ".join(f"{v:.2f} {what}" for what, v in per_it.items()))
+              + ", ".join(f"{v:.2f} {what}" for what, v in per_it.items())
+              + (f"; planner: {plans[0]} layers with misses, {plans[1]} searched" if plans[0] else ""))
     if kernel is not None:
         kernel.hold(0.0)
 

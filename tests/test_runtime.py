@@ -191,11 +191,11 @@ def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
         del kernel.hold
     forwards = out.counters["nfe"] + out.counters.get("cache_forwards", 0)
     records = llm.engine.manager.stats.records
-    # layer: woken ahead of a layer that had CPU work the last time it ran (or never ran)
+    # layer: woken ahead of a layer that had CPU work the last time it ran with as many rows (or never did)
     seen, woken = {}, 0
     for r in records:
-        woken += seen.get(r.layer, True)
-        seen[r.layer] = r.experts_cpu > 0
+        woken += seen.get((r.layer, r.pairs), True)
+        seen[r.layer, r.pairs] = r.experts_cpu > 0
     assert 0 < woken < len(records), "the test needs layers with and without CPU work"
     expect = {"layer": [LAYER_HOLD_S] * woken, "forward": [FORWARD_HOLD_S, 0.0] * forwards, "off": []}[wake]
     assert calls == expect and forwards > 0

@@ -22,6 +22,7 @@ default: slower than one wave on the H200, BENCHMARKS.md section 13).
 from __future__ import annotations
 
 import math
+from itertools import islice
 
 import numpy as np
 
@@ -63,6 +64,12 @@ class OledPolicy(LRUPolicy):
         super().setup(ctx)
         self.predictor = ReusePredictor(ctx.layers, ctx.num_experts, self.calibration, decay=self.decay,
                                         weighting=self.weighting)
+        # last_use as arrays too (expert -> clock, -1: never), for the eviction rank's vectorised lookups
+        self.last_used = {layer: np.full(ctx.num_experts, -1, dtype=np.int64) for layer in ctx.layers}
+
+    def used(self, layer, demand):
+        super().used(layer, demand)
+        self.last_used[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] = self.clock
 
     # ------------------------------------------------------------------------------------------------ events
     def on_request_start(self):
@@ -91,14 +98,18 @@ class OledPolicy(LRUPolicy):
     def eviction_order(self, layer, resident, extra=(), needed=()):
         if self.retention == "lru":
             return super().eviction_order(layer, resident, extra)
-        score, last = self.predictor.layer_scores(layer), self.last_use[layer]
+        score, last = self.predictor.layer_scores(layer), self.last_used[layer]
 
         def rank():      # by (needed now, score, last use, id): one lexsort instead of a sort by Python tuples
-            cand = np.fromiter(set(resident).union(extra), dtype=np.int64)
-            ids = cand.tolist()
-            used = np.fromiter((last.get(e, -1) for e in ids), dtype=np.int64, count=len(ids))
-            need = np.fromiter((e in needed for e in ids), dtype=bool, count=len(ids))
-            return cand[np.lexsort((cand, used, score[cand], need))].tolist()
+            member = np.zeros(len(last), dtype=bool)
+            member[list(resident)] = True
+            if extra:
+                member[list(extra)] = True
+            cand = np.flatnonzero(member)
+            need = np.zeros(len(last), dtype=bool)
+            if needed:
+                need[list(needed)] = True
+            return cand[np.lexsort((cand, last[cand], score[cand], need[cand]))].tolist()
         return EvictionOrder(rank)
 
     # ------------------------------------------------------------------------------------------------ misses
@@ -110,12 +121,10 @@ class OledPolicy(LRUPolicy):
         if not misses:
             return [], []
         costs = self.ctx.costs
-        rows, positions = self.predictor.row_positions()
-        p_row = self.predictor.current_p(rows, positions, len(event.ids))
         # P(no row routed to e now routes to it next iteration) = prod over those rows of (1 - p): one bincount of
         # log(1 - p) over every (row, expert) pair (a row routes to an expert at most once)
         k = event.ids.shape[1]
-        log_keep = np.log1p(-np.minimum(p_row, 1.0 - 1e-12))
+        log_keep = self.predictor.log_keep(len(event.ids))
         none_reused = np.exp(np.bincount(event.ids.reshape(-1), weights=np.repeat(log_keep, k),
                                          minlength=self.ctx.num_experts))
         credit = {e: self.future_uses(1.0 - float(none_reused[e])) * self._saving(costs, event.demand[e])
@@ -124,13 +133,15 @@ class OledPolicy(LRUPolicy):
         extra = max(0, len(misses) - max(free, 0))
         loss = []
         if extra:
-            # evicted first: residents this layer does not need; with waves, then its own hits once computed
-            victims = [e for e in order if e in event.resident and e not in event.demand][:extra]
-            if self.waves:
-                victims += [e for e in order if e in event.resident and e in event.demand][:extra - len(victims)]
+            # evicted first: residents this layer does not need; with waves, then its own hits once computed (the
+            # order's first `extra` of each kind: no walk through the whole order)
+            resident, demand = event.resident, event.demand
+            victims = list(islice((e for e in order if e in resident and e not in demand), extra))
+            if self.waves and len(victims) < extra:
+                victims += islice((e for e in order if e in resident and e in demand), extra - len(victims))
             score = self.predictor.layer_scores(event.layer)
-            tokens = max(1, round(event.ids.size / max(len(event.demand), 1)))    # a typical expert's tokens
-            loss = [self.future_uses(1.0 - math.exp(-score[v])) * self._saving(costs, tokens) for v in victims]
+            saving = self._saving(costs, max(1, round(event.ids.size / max(len(demand), 1))))   # a typical expert's
+            loss = [self.future_uses(1.0 - math.exp(-s)) * saving for s in score[victims].tolist()]
         return self.cooperative_split(event, credit=credit, evict_loss=loss, waves=self.waves)
 
     def future_uses(self, p: float) -> float:

@@ -95,6 +95,7 @@ class ReusePredictor:
         self._block_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))   # no forward yet: no block rows
         self.routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}      # layer -> (ids, weights) of this forward
         self.block_p = None     # per block position: P(reuse) of its pairs now, from the last iteration's states
+        self._log_keep = None   # log(1 - current_p) of the current forward's rows: every layer of it asks
 
     def reset(self) -> None:
         """A new request: scores carry over (the experts stay resident), per-request positions do not."""
@@ -104,6 +105,7 @@ class ReusePredictor:
     def on_forward(self, info: ForwardInfo) -> None:
         self.forward = info
         self._block_rows = info.block_rows()        # asked by every layer of the forward
+        self._log_keep = None
         self.routing.clear()
 
     def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
@@ -124,8 +126,17 @@ class ReusePredictor:
             p[rows] = self.block_p[positions]
         return p
 
+    def log_keep(self, n_rows: int) -> np.ndarray:
+        """log(1 - current_p) of each row of the current forward (p capped below 1): the same for each of its
+        layers, so made once per forward."""
+        if self._log_keep is None or len(self._log_keep) != n_rows:
+            rows, positions = self._block_rows
+            self._log_keep = np.log1p(-np.minimum(self.current_p(rows, positions, n_rows), 1.0 - 1e-12))
+        return self._log_keep
+
     def on_iteration(self, event: IterationEvent) -> None:
         """Fold this iteration's routing into the scores, weighted by each row's P(reuse next iteration)."""
+        self._log_keep = None
         self.score *= self.decay
         if self.forward is not None and self.forward.kind == "iteration" and self.routing:
             rows, positions = self.row_positions()

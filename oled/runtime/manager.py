@@ -32,8 +32,9 @@ from .timer import SectionTimer
 
 # How the CPU kernel's workers are ready for the engine's calls, one per layer with CPU work (EngineConfig.cpu_wake):
 #   layer    woken when a layer's routing is read back, so that their wake-up overlaps the wait for the GPU, if the
-#            layer had CPU work the last time it ran (waking them for nothing slows the main thread); they poll for
-#            LAYER_HOLD_S, then sleep
+#            layer had CPU work the last time it ran with as many rows (waking them for nothing slows the main
+#            thread; a block's first forward carries the previous block's rows too, and needs more experts than the
+#            block's other iterations); they poll for LAYER_HOLD_S, then sleep
 #   forward  polling through each forward (at most FORWARD_HOLD_S, which bounds an exception mid-forward)
 #   off      woken by each call
 WAKE_MODES = CPU_WAKE_MODES
@@ -76,7 +77,7 @@ class ExpertManager:
         # each CPU job's time from submission to result against its predicted time: the planner's CPU terms follow
         # what the jobs take in the engine (EngineConfig.cpu_cost_feedback)
         self.cpu_feedback = CpuCostFeedback() if cpu_cost_feedback and cpu_kernel and costs is not None else None
-        self._cpu_last_time: dict[int, bool] = {}           # layer -> it had CPU work the last time it ran
+        self._cpu_last_time: dict[tuple[int, int], bool] = {}   # (layer, rows) -> it had CPU work the last time
         check_cpu_wake(cpu_wake)
         self.cpu_wake = cpu_wake
         if policy.uses_cpu and cpu_kernel is None:
@@ -234,13 +235,14 @@ class ExpertManager:
     def decide_offloaded(self, layer, x, load_slots: torch.Tensor) -> "OffloadedLayer":
         """Host part one: read the routing back, let the policy decide, start the CPU jobs, issue the first wave's
         copies and put each pair's slot in that wave (-1: computed already, or later) into load_slots."""
-        if self.cpu_kernel is not None and self.cpu_wake == "layer" and self._cpu_last_time.get(layer, True):
+        wake = self.cpu_wake == "layer" and self._cpu_last_time.get((layer, len(x)), True)
+        if self.cpu_kernel is not None and wake:
             self.cpu_kernel.hold(LAYER_HOLD_S)                         # before the routing's wait
         ids_h, weights_h, predicted, x_host = self._read_routing(layer, x.shape[0])
         flat = ids_h.reshape(-1)
         step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
         cpu = step.decision.cpu
-        self._cpu_last_time[layer] = bool(cpu)
+        self._cpu_last_time[layer, len(x)] = bool(cpu)
         cpu_job = self._start_cpu(layer, x_host, flat, cpu, copying=bool(step.decision.load)) if cpu else None
         waves = self.residency.waves(step)
         first = next(waves)

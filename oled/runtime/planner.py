@@ -51,28 +51,49 @@ class PlanInputs:
         return n if self.max_loads is None else max(0, min(self.max_loads, n))
 
 
-def plan_costs(masks: np.ndarray, experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
-    """The objective of each candidate split: masks [S, n] bool, True = load experts[j]. Returns [S] seconds."""
-    masks = np.asarray(masks, dtype=bool).reshape(-1, len(experts))
+@dataclass(frozen=True)
+class Candidates:
+    """Candidate splits of n misses and what the objective needs of them, made once per candidate set (the exact
+    search's sets are cached per n): masks [S, n] (True: load experts[j]), as floats for the sums, and counts."""
+    masks: np.ndarray
+    load: np.ndarray            # [S, n] 1.0 where loaded
+    cpu: np.ndarray             # [S, n] 1.0 where computed on the CPU
+    n_load: np.ndarray          # [S]
+    mixed: np.ndarray           # [S] 1.0 where the split has both loads and CPU work
+    has_cpu: np.ndarray         # [S] bool
+
+    @classmethod
+    def of(cls, masks: np.ndarray) -> "Candidates":
+        masks = np.asarray(masks, dtype=bool)
+        n_load = masks.sum(axis=1)
+        has_cpu = n_load < masks.shape[1]
+        arrays = (masks, masks.astype(np.float64), (~masks).astype(np.float64), n_load,
+                  (has_cpu & (n_load > 0)).astype(np.float64), has_cpu)
+        for a in arrays:
+            a.flags.writeable = False
+        return cls(*arrays)
+
+
+def plan_costs(masks, experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
+    """The objective of each candidate split: masks [S, n] bool, True = load experts[j] (or their Candidates).
+    Returns [S] seconds."""
     n = len(experts)
-    tok = np.fromiter((inputs.tokens[e] for e in experts), dtype=np.int64, count=n)
+    cand = masks if isinstance(masks, Candidates) else Candidates.of(np.asarray(masks, dtype=bool).reshape(-1, n))
+    tok = np.array([inputs.tokens[e] for e in experts], dtype=np.int64)
     cpu_t = cost.cpu_expert_seconds_of(tok)
     gpu_t = cost.gpu_expert_seconds_of(tok)
-    credit = np.fromiter((inputs.credit.get(e, 0.0) for e in experts), dtype=np.float64, count=n)
-    load, cpu = masks.astype(np.float64), (~masks).astype(np.float64)     # one conversion each: float matmuls
-    n_load = masks.sum(axis=1)
-    has_load, has_cpu = n_load > 0, n_load < n
-    copy = cost.load_seconds(n_load) * np.where(has_cpu, cost.copy_slowdown_with_cpu, 1.0)
-    gpu_side = copy + load @ gpu_t
-    cpu_side = np.where(
-        has_cpu,
-        (cost.cpu_call_seconds + cpu @ cpu_t) * np.where(has_load, cost.cpu_slowdown_with_copies, 1.0)
-        + cost.cpu_transfer_seconds(inputs.rows, cpu @ tok),
-        0.0)
-    objective = np.maximum(gpu_side, cpu_side) - load @ credit
+    # the copies, slowed while the CPU works, and the loads' compute; the CPU side: the call and its experts,
+    # slowed beside copies, and the activations' round trip (0 where nothing runs on the CPU)
+    gpu_side = cost.load_seconds(cand.n_load) * (1.0 + (cost.copy_slowdown_with_cpu - 1.0) * cand.has_cpu) \
+        + cand.load @ gpu_t
+    cpu_side = (cost.cpu_call_seconds + cand.cpu @ cpu_t) * (1.0 + (cost.cpu_slowdown_with_copies - 1.0) * cand.mixed) \
+        + cost.cpu_transfer_seconds(inputs.rows, cand.cpu @ tok)
+    objective = np.maximum(gpu_side, np.where(cand.has_cpu, cpu_side, 0.0))
+    if inputs.credit:
+        objective -= cand.load @ np.array([inputs.credit.get(e, 0.0) for e in experts])
     if inputs.evict_loss:
         loss = np.concatenate([[0.0], np.cumsum(inputs.evict_loss)])
-        objective += loss[np.clip(n_load - max(inputs.free_slots, 0), 0, len(loss) - 1)]
+        objective += loss[np.minimum(np.maximum(cand.n_load - max(inputs.free_slots, 0), 0), len(loss) - 1)]
     return objective
 
 
@@ -84,14 +105,12 @@ def plan_cost(load: list[int], cpu: list[int], inputs: PlanInputs, cost: CostMod
 
 
 @functools.cache
-def _every_subset(n: int) -> np.ndarray:
-    """[2**n, n] bool: row i loads expert j where bit j of i is set (made once per n, never written)."""
-    masks = (np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1
-    masks.flags.writeable = False
-    return masks
+def _every_subset(n: int) -> Candidates:
+    """Every split of n misses: row i loads expert j where bit j of i is set (made once per n, never written)."""
+    return Candidates.of((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1 == 1)
 
 
-def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.ndarray:
+def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> Candidates:
     n = len(experts)
     if n <= EXACT_MAX:
         return _every_subset(n)
@@ -109,22 +128,25 @@ def _candidates(experts: list[int], inputs: PlanInputs, cost: CostModel) -> np.n
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n)
         masks[i * (n + 1):(i + 1) * (n + 1)] = rank[None, :] < np.arange(n + 1)[:, None]
-    return masks
+    return Candidates.of(masks)
 
 
 def _loading_all_wins(experts: list[int], inputs: PlanInputs, cost: CostModel) -> bool:
     """True when loading every miss costs less than any split with CPU work can (so it is the optimum; scalars only,
-    the common case of a few misses on a machine whose CPU path is slow). A split loading L and computing C != {}
-    costs at least cpu(C) - credit(all) (credits are >= 0, eviction losses too), and cpu(C) is at least the call, the
-    cheapest expert and the fewest tokens' transfer, slowed beside loads, or, with no loads, that of every miss."""
+    the common case of a few misses whose loads are worth their credit). Loading all costs
+    load(n) + gpu(all) + losses - credit(all). A split loading L and computing C != {} costs at least
+    cpu(C) - credit(L) (eviction losses are >= 0), where credit(L) = credit(all) - credit(C) and credit(C) is at
+    least the least credit of a miss (all of them with no loads); cpu(C) is at least the call, the cheapest expert
+    and the fewest tokens' transfer, slowed beside loads, or, with no loads, that of every miss."""
     tok = [inputs.tokens[e] for e in experts]
     cpu_t = [cost.cpu_expert_seconds(t) for t in tok]
+    credit = [inputs.credit.get(e, 0.0) for e in experts]
     n = len(experts)
     evictions = max(0, n - max(inputs.free_slots, 0))
     all_loaded = (cost.load_seconds(n) + sum(map(cost.gpu_expert_seconds, tok)) + sum(inputs.evict_loss[:evictions]))
     beside_loads = ((cost.cpu_call_seconds + min(cpu_t)) * cost.cpu_slowdown_with_copies
-                    + cost.cpu_transfer_seconds(inputs.rows, min(tok))) if n > 1 else float("inf")
-    all_on_cpu = (cost.cpu_call_seconds + sum(cpu_t) + cost.cpu_transfer_seconds(inputs.rows, sum(tok))
+                    + cost.cpu_transfer_seconds(inputs.rows, min(tok)) + min(credit)) if n > 1 else float("inf")
+    all_on_cpu = (cost.cpu_call_seconds + sum(cpu_t) + cost.cpu_transfer_seconds(inputs.rows, sum(tok)) + sum(credit)
                   if inputs.min_loads == 0 else float("inf"))
     return all_loaded < min(beside_loads, all_on_cpu)
 
@@ -140,11 +162,10 @@ def split_misses(inputs: PlanInputs, cost: CostModel) -> tuple[list[int], list[i
         return [], experts
     if inputs.load_cap == len(experts) and _loading_all_wins(experts, inputs, cost):
         return experts, []
-    masks = _candidates(experts, inputs, cost)
-    n_load = masks.sum(axis=1)
-    feasible = (n_load >= inputs.min_loads) & (n_load <= inputs.load_cap)
-    masks, n_load = masks[feasible], n_load[feasible]
-    costs = plan_costs(masks, experts, inputs, cost)
-    best = np.lexsort((n_load, np.round(costs, 15)))[0]
-    chosen = masks[best]
+    cand = _candidates(experts, inputs, cost)
+    costs = plan_costs(cand, experts, inputs, cost)
+    if inputs.min_loads > 0 or inputs.load_cap < len(experts):
+        costs[(cand.n_load < inputs.min_loads) | (cand.n_load > inputs.load_cap)] = np.inf
+    best = np.lexsort((cand.n_load, np.round(costs, 15)))[0]
+    chosen = cand.masks[best].tolist()
     return [e for e, m in zip(experts, chosen) if m], [e for e, m in zip(experts, chosen) if not m]
