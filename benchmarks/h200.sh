@@ -24,7 +24,8 @@
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
 # finds segmented graphs of offloaded forwards changing tokens, with --no-offload-graphs. GRAPHS=... overrides.
-# Results: $OUT/results-<stages>.tgz, and the tails of the logs on stdout.
+# Results: $OUT/results-<stages>.tgz, each bench stage's result lines as $OUT/<folder>-results.jsonl, and the tails
+# of the logs on stdout.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/res; mkdir -p $R
@@ -35,6 +36,9 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 cat $R/hardware.txt
 python3 -m oled.cli synth --help > /dev/null || { echo "oled does not import"; exit 1; }
 pack() { tar czf "$OUT/results-${STAGES// /-}.tgz" -C $OUT res; ls -la $OUT; }
+# a bench stage's result lines at the top of $OUT as soon as it ends: a call that runs out of time while rendering or
+# packing still brings them back (a finished 41-run grid was lost that way)
+keep() { for d in "$@"; do [ -f "$R/$d/results.jsonl" ] && cp "$R/$d/results.jsonl" "$OUT/$d-results.jsonl"; done; }
 GRAPHS=${GRAPHS:-}
 # every baseline, the planner's own (no credit), OLED and its ablations; `oled bench` adds the belady bound rows
 ALL_POLICIES=full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative,oled,oled-retain,oled-coop
@@ -62,7 +66,7 @@ if has grid; then
   start=$(date +%s)
   timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-$ALL_POLICIES} \
     --out $R/grid > $R/grid.log 2>&1
-  echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log
+  echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log; keep grid
 fi
 if has trace; then
   timeout ${TRACE_S:-200} python3 -m oled.cli trace --random-weights llada2-mini --workload code --prompts 1 \
@@ -87,6 +91,7 @@ if has routing; then
     --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
     ${ROUTING_FLAGS:-} --out $R/${ROUTING_OUT:-routing-grid} > $R/${ROUTING_OUT:-routing-grid}.log 2>&1
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/${ROUTING_OUT:-routing-grid}.log
+  keep ${ROUTING_OUT:-routing-grid}
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do
@@ -113,7 +118,7 @@ if has fused; then
     flag=""; [ $mode = fused ] && flag=${FUSED_FLAG:---fused-router}
     timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets ${FUSED_BUDGETS:-1.0,0.4} \
       --policies ${FUSED_POLICIES:-full,lru} --no-bound $flag --out $R/fused-$mode > $R/fused-$mode.log 2>&1
-    echo "fused stage ($mode) rc=$?"
+    echo "fused stage ($mode) rc=$?"; keep fused-$mode
   done
   python3 - $R/fused-plain $R/fused-fused <<'PY'
 import json, os, sys
