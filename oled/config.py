@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-CPU_WAKE_MODES = ("layer", "forward", "off")       # EngineConfig.cpu_wake
+CPU_WAKE_MODES = ("auto", "layer", "forward", "off")       # EngineConfig.cpu_wake
 CPU_ISAS = ("auto", "avx512_bf16", "portable")     # EngineConfig.cpu_isa
 
 
@@ -24,8 +24,9 @@ class EngineConfig:
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus torch's)
     torch_threads: int | None = None      # torch intra-op threads (default: 1, sized with cpu_threads)
     # the CPU expert kernel (runtime/cpu_kernel.py; what each did on the H200 host: benchmarks/CPU_KERNEL_NOTES.md)
-    cpu_wake: str = "layer"               # when its sleeping workers are woken: layer (ahead of a layer that had CPU
-                                          # work the last time), forward (held through each forward) or off
+    cpu_wake: str = "auto"                # when its sleeping workers are woken: layer (ahead of a layer that had CPU
+                                          # work the last time), forward (held through each forward) or off; auto:
+                                          # layer with a CUDA device, off with a CPU one (runtime/manager.py)
     cpu_cost_feedback: bool = False       # the planner's CPU terms follow the CPU jobs' time in the engine (median
                                           # ratio to the start-up cost model, per forward); off by default: not faster
                                           # on the H200 (BENCHMARKS.md section 14), and decisions then depend on timing

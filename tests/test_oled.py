@@ -160,6 +160,48 @@ def test_retention_evicts_the_lowest_predicted_reuse():
     assert d.load == [5] and list(d.evict)[0] == 1        # the expert of the position committed now goes first
 
 
+def test_the_eviction_rank_is_the_plain_sort_by_need_score_last_use_and_id():
+    """oled's vectorised rank (NumPy arrays of scores and last uses) against sorted() over Python tuples: experts the
+    layer needs last, then the lowest predicted reuse, the least recently used, the lowest id first."""
+    rng = random.Random(5)
+    for _ in range(40):
+        p = make_policy("oled-retain")
+        p.setup(PolicyContext(layers=[1], num_experts=24, capacity=8, top_k=2, expert_bytes=1))
+        for _ in range(rng.randint(0, 6)):                 # a history of uses, so last uses differ and tie
+            p.touch(1)
+            p.pending[1] = {e: 1 for e in rng.sample(range(24), rng.randint(1, 5))}
+        p.touch(1)
+        p.predictor.score[0] = [rng.choice([0.0, 0.0, 0.5, 1.25, 2.0]) for _ in range(24)]
+        resident = set(rng.sample(range(24), 8))
+        extra = rng.sample(sorted(set(range(24)) - resident), rng.randint(0, 3))
+        needed = {e: 1 for e in rng.sample(sorted(resident), rng.randint(0, 4)) + extra}
+        last, score = p.last_use[1], p.predictor.layer_scores(1)
+        want = sorted(resident | set(extra), key=lambda e: (e in needed, score[e], last.get(e, -1), e))
+        assert list(p.eviction_order(1, resident, extra, needed=needed)) == want
+
+
+def test_row_probabilities_are_made_once_per_forward_and_follow_each_iteration():
+    """log_keep, asked by every layer of a forward, is log(1 - P(reuse)) of its rows, and is made again after an
+    iteration's states arrive and at the next forward."""
+    pred = ReusePredictor([1, 2], 8, _calibration())
+    info = ForwardInfo(kind="iteration", start=0, tokens=3, block_start=0, block_length=3)
+    pred.on_forward(info)
+
+    def expected(n):
+        rows, positions = pred.row_positions()
+        return np.log1p(-np.minimum(pred.current_p(rows, positions, n), 1.0 - 1e-12))
+    first = pred.log_keep(3)
+    np.testing.assert_array_equal(first, expected(3))
+    assert pred.log_keep(3) is first                                  # the forward's other layers reuse it
+    pred.observe(1, np.array([[0], [1], [2]]), np.ones((3, 1), np.float32))
+    pred.on_iteration(IterationEvent(block=0, step=1, iteration=0, state=np.array([D, C, M], np.int8),
+                                     confidence=np.array([-np.inf, 0.99, 0.1]), block_done=False))
+    pred.on_forward(info)
+    second = pred.log_keep(3)
+    np.testing.assert_array_equal(second, expected(3))
+    assert not np.array_equal(second, first)       # the states changed the probabilities
+
+
 # ------------------------------------------------------------------------------------------------- reuse credit
 def test_reuse_credit_buys_a_load_the_makespan_alone_would_not():
     """Loads twice as costly as CPU jobs: without a credit every miss goes to the CPU (lru, cooperative). With

@@ -175,10 +175,11 @@ def test_cooperative_with_the_measured_cost_model():
         make_llm("tiny", "tide", "0.25", misses="cooperative")
 
 
-@pytest.mark.parametrize("wake", ["layer", "forward", "off"])
+@pytest.mark.parametrize("wake", ["layer", "forward", "off", "auto"])
 def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
     """With a CPU policy the kernel's workers are woken before they are needed: at each offloaded layer's routing
-    read-back (layer, the default), or held through each forward (forward); tokens never depend on it."""
+    read-back (layer, the default on CUDA), or held through each forward (forward); on a CPU device auto (the
+    default) wakes them with each call (off); tokens never depend on it."""
     from oled.runtime.manager import FORWARD_HOLD_S, LAYER_HOLD_S
 
     llm = make_llm("tiny", "tide", "0.5", cpu_wake=wake)
@@ -197,10 +198,12 @@ def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
         woken += seen.get((r.layer, r.pairs), True)
         seen[r.layer, r.pairs] = r.experts_cpu > 0
     assert 0 < woken < len(records), "the test needs layers with and without CPU work"
-    expect = {"layer": [LAYER_HOLD_S] * woken, "forward": [FORWARD_HOLD_S, 0.0] * forwards, "off": []}[wake]
+    expect = {"layer": [LAYER_HOLD_S] * woken, "forward": [FORWARD_HOLD_S, 0.0] * forwards, "off": [],
+              "auto": []}[wake]
+    assert llm.engine.manager.cpu_wake == ("off" if wake == "auto" else wake)
     assert calls == expect and forwards > 0
     assert out.token_ids == make_llm("tiny", "tide", "0.5").generate(PROMPT, gen_length=32).token_ids
-    with pytest.raises(ValueError, match="cpu_wake must be one of layer, forward, off"):
+    with pytest.raises(ValueError, match="cpu_wake must be one of auto, layer, forward, off"):
         make_llm("tiny", "tide", "0.5", cpu_wake="sometimes")
 
 

@@ -53,7 +53,8 @@ def add_execution_args(g) -> None:
     d = EngineConfig()
     g.add_argument("--cpu-wake", choices=CPU_WAKE_MODES, default=d.cpu_wake,
                    help="when the CPU kernel's sleeping workers are woken: ahead of a layer that had CPU work the "
-                        "last time it ran with as many rows, held through each forward, or never (default: %(default)s)")
+                        "last time it ran with as many rows (layer), held through each forward, or never (off); auto: "
+                        "layer on a CUDA device, off on the CPU (default: %(default)s)")
     g.add_argument("--cpu-isa", choices=CPU_ISAS, default=d.cpu_isa,
                    help="CPU kernel instruction set: the fastest the CPU has, AVX-512 BF16 without AMX, or portable "
                         "C (default: %(default)s)")

@@ -37,6 +37,10 @@ from .timer import SectionTimer
 #            block's other iterations); they poll for LAYER_HOLD_S, then sleep
 #   forward  polling through each forward (at most FORWARD_HOLD_S, which bounds an exception mid-forward)
 #   off      woken by each call
+#   auto     layer when the model runs on a CUDA device, off when it runs on the CPU: there the main thread's own
+#            compute needs the cores the polling workers would take, and there is no GPU wait for their wake-up to
+#            overlap (on a 2-core machine with both cores busy, layer made the README's main job at 40 % 2.0 x
+#            slower than idle, off 0.9 x; BENCHMARKS.md section 9)
 WAKE_MODES = CPU_WAKE_MODES
 LAYER_HOLD_S = 0.001
 
@@ -50,7 +54,7 @@ FORWARD_HOLD_S = 1.0
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
-                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = WAKE_MODES[0],
+                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
                  cpu_cost_feedback: bool = False, fused_moe: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
@@ -79,7 +83,7 @@ class ExpertManager:
         self.cpu_feedback = CpuCostFeedback() if cpu_cost_feedback and cpu_kernel and costs is not None else None
         self._cpu_last_time: dict[tuple[int, int], bool] = {}   # (layer, rows) -> it had CPU work the last time
         check_cpu_wake(cpu_wake)
-        self.cpu_wake = cpu_wake
+        self.cpu_wake = ("layer" if self.cuda else "off") if cpu_wake == "auto" else cpu_wake
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
