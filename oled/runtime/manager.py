@@ -39,8 +39,8 @@ from .timer import SectionTimer
 #   off      woken by each call
 #   auto     layer when the model runs on a CUDA device, off when it runs on the CPU: there the main thread's own
 #            compute needs the cores the polling workers would take, and there is no GPU wait for their wake-up to
-#            overlap (on a 2-core machine with both cores busy, layer made the README's main job at 40 % 2.0 x
-#            slower than idle, off 0.9 x; BENCHMARKS.md section 9)
+#            overlap (on a 2-core machine with both cores busy, layer made the README's main job at 40 % 2.0-2.1 x
+#            slower than idle, off 0.9-1.6 x; BENCHMARKS.md section 9)
 WAKE_MODES = CPU_WAKE_MODES
 LAYER_HOLD_S = 0.001
 
