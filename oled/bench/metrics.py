@@ -30,7 +30,7 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                               "time"),
     "cpu_path_cost_model_ratio": ("CPU cost model / CPU path", "", "the CPU jobs' time as the start-up cost model "
                                                                   "predicts it / their time from submission to "
-                                                                  "result (the hand-off to the worker included); "
+                                                                  "result (the workers' wake-up included); "
                                                                   "the planner's CPU terms follow its inverse "
                                                                   "(--cpu-cost-feedback)"),
     "loads_per_iteration": ("loads/iter", "", "experts copied to the GPU on demand per iteration (all layers)"),

@@ -1,7 +1,7 @@
 """The CPU path as the engine sees it, against the cost model: a per-forward correction of the model's CPU terms.
 
-The start-up cost model times the CPU kernel alone (cost_model.measure). In the engine a job also waits for its
-hand-off to the worker thread and shares the host with the main thread's launches, copies and policy steps: on the
+The start-up cost model times the CPU kernel alone (cost_model.measure). In the engine a job also waits for the
+kernel's workers to wake and shares the host with the main thread's launches, copies and policy steps: on the
 H200, LLaDA2.0-mini shapes and learned routing at a 40 % budget, the kernel's own time was about twice the model's
 (docs/DESIGN.md section 5.6), so the planner sent misses to the CPU that a load would have served sooner.
 

@@ -243,9 +243,9 @@ class CpuExpertKernel:
 
     `submit` starts a batch on the library's worker threads and returns at once; its job's `wait` blocks (without
     the GIL) until the batch is done. The engine submits from its main thread and goes on launching GPU work, so no
-    Python thread has to be scheduled, or to win the GIL from the main thread, for a batch to start or finish (with
-    a Python worker thread, each batch waited for the GIL). `run` is submit and wait. One batch is in flight at a
-    time: a submit waits for the previous batch first. Calls are serialised by a lock.
+    Python thread has to be scheduled, or to take the GIL from the main thread, for a batch to start or finish (as
+    one had to until `bc874e8`, when batches ran in a Python worker thread). `run` is submit and wait. One batch is in
+    flight at a time: a submit waits for the previous batch first. Calls are serialised by a lock.
     """
 
     name: str  # "amx" (AVX-512 BF16 + AMX for jobs with many tokens), "avx512_bf16", "portable" or "torch"

@@ -29,7 +29,7 @@ class LayerRecord:
     resident: int = 0         # resident experts of this layer after its loads
     resident_used: int = 0    # of those, used by at least one token in this forward
     cpu_s: float = 0.0        # time of this layer's CPU expert jobs, measured inside the kernel call
-    cpu_path_s: float = 0.0   # the same jobs' time from their submission to their result (the hand-off included)
+    cpu_path_s: float = 0.0   # the same jobs' time from their submission to their result (the wake-up included)
     cpu_s_model: float = 0.0  # the same jobs' time as the runtime's cost model predicted it (0: no cost model)
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
