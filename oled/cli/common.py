@@ -84,7 +84,7 @@ def add_execution_args(g) -> None:
     g.add_argument("--fused-moe", action="store_true",
                    help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
                         "device, gate|up then down, written straight to each pair's row) instead of torch's grouped "
-                        "GEMMs (needs Triton and CUDA; not yet measured in the engine; default: off)")
+                        "GEMMs (needs Triton and CUDA; measured in the engine for full and lru only; default: off)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")

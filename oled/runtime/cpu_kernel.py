@@ -367,11 +367,6 @@ class CpuExpertKernel:
             job = self._inflight = CpuJob(self, (x, token_idx, job_offsets, blobs, ptrs, out))
         return job
 
-    def _wait(self, job: "CpuJob") -> None:
-        with self._lock:
-            if job is self._inflight:
-                self._wait_locked()
-
     def drain(self) -> None:
         """Wait for the batch in flight, if any."""
         with self._lock:
@@ -416,8 +411,8 @@ class CpuJob:
         return job
 
     def wait(self) -> float:
-        if self.seconds is None:
-            self.kernel._wait(self)
+        if self.seconds is None:        # still in flight: a job waited for by anyone has its seconds
+            self.kernel.drain()
         return self.seconds
 
 
