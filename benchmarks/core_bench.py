@@ -16,39 +16,12 @@ import time
 import torch
 
 import oled
+from oled.bench.floor import measure_hbm_bandwidth, weight_bytes_per_iteration
 from oled.config import EngineConfig
 from oled.engine import Engine
 
 PROMPT = ("Write a Python function that parses a CSV file, groups the rows by the value of one column and "
           "returns, for each group, the mean of another column. Explain each step.")
-
-
-def measure_hbm_bandwidth(device) -> float:
-    """Device-to-device copy GB/s counting bytes read plus written (the practical HBM ceiling)."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.empty(2**30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3) / 1e9
-
-
-def weight_bytes_per_iteration(engine: Engine, unique_experts_per_layer: float, block: int) -> float:
-    """Weights one iteration must read: every non-expert weight except the embedding table (only `block` rows of
-    it), plus the unique routed experts of each MoE layer."""
-    m = engine.model
-    itemsize = m.embed.weight.element_size()
-    non_expert = sum(p.numel() * p.element_size() for p in m.parameters()) - m.embed.weight.numel() * itemsize
-    non_expert += block * m.config.hidden_size * itemsize
-    experts = unique_experts_per_layer * len(m.config.moe_layers) * engine.store.expert_bytes
-    return non_expert + experts
 
 
 def main(argv=None):

@@ -14,8 +14,9 @@
 #          kernel; --fused-moe: the Triton routed-experts kernels), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
 #          the fused-MoE kernels at their default tiles and at KERNEL_TILES' configurations too)
-#   overhead  where an offloaded forward's time goes: wall, GPU kernel time, launches and host steps per forward for
-#          full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks POLICY@BUDGET runs)
+#   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
+#          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
+#          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with the fused kernels)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -130,9 +131,23 @@ for d in filter(os.path.isdir, sys.argv[1:]):
 PY
 fi
 if has overhead; then
-  timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
-    --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 \
-    --out $R/offload_overhead.json > $R/overhead.log 2>&1; echo "overhead rc=$?"; tail -40 $R/overhead.log
+  # OVERHEAD_MODES: "plain" and/or "fused" (OVERHEAD_FUSED: the engine flags of the fused run), one JSON each
+  for mode in ${OVERHEAD_MODES:-plain}; do
+    flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused-router --fused-moe}
+    timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
+      --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \
+      --out $R/offload_overhead-$mode.json > $R/overhead-$mode.log 2>&1; echo "overhead ($mode) rc=$?"
+    cp $R/offload_overhead-$mode.json $OUT/ 2>/dev/null
+    python3 - $R/offload_overhead-$mode.json <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(r["run"], "wall ms/fwd %.2f gpu %.2f launches %.0f floor %.2f (x%.1f)" % (
+        r["wall_ms_per_forward"], r["gpu_kernel_ms_per_forward"], r["kernels_per_forward"],
+        r["floor_ms_per_forward"], r["wall_over_floor"] or float("nan")))
+    for k in r["top_kernels_us_per_forward"]:
+        print("   %8.1f us %6.1f x  %s" % (k["us"], k["launches"], k["kernel"]))
+PY
+  done
 fi
 for d in grid ${ROUTING_OUT:-routing-grid}; do [ -d $R/$d ] && python3 -m oled.cli bench --render $R/$d >> $R/$d.log 2>&1; done
 pack

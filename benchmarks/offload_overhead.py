@@ -2,9 +2,12 @@
 
 For each POLICY@BUDGET: one warm-up generate, then a timed one with perf_counter around the manager's host steps
 (reading the routing back, which includes waiting for its read-back; the residency's decisions; the rest of the two host
-steps) and around whole forwards, then one generate under torch.profiler for GPU kernel time and launches.
+steps) and around whole forwards, then one generate under torch.profiler for GPU kernel time, launches and the
+kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
+timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--out FILE.json]
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused-router] [--fused-moe]
+        [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from oled.bench.floor import measure_hbm_bandwidth, weight_bytes_per_iteration
 from oled.config import EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
@@ -46,7 +50,7 @@ class HostClock:
         setattr(obj, attr, timed)
 
 
-def measure(engine: Engine, prompt_ids, params, label: str) -> dict:
+def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top: int) -> dict:
     engine.generate_ids(prompt_ids, params)                 # warm-up: graph captures
     sync()
     clock = HostClock()
@@ -56,10 +60,12 @@ def measure(engine: Engine, prompt_ids, params, label: str) -> dict:
     clock.wrap(m, "_read_routing", "read_routing (waits for the read-back)")
     clock.wrap(m.residency, "begin_layer", "residency.begin_layer (policy)")
     clock.wrap(m, "_issue_wave", "issue_wave")
+    m.stats.reset()
     t0 = time.perf_counter()
     res = engine.generate_ids(prompt_ids, params)
     sync()
     wall = time.perf_counter() - t0
+    unique = m.stats.summary()["unique_experts_per_layer_iteration"]
     nfe = res.nfe
     host = {k: v / nfe * 1e3 for k, v in clock.total.items()}
     calls = {k: v / nfe for k, v in clock.calls.items()}
@@ -69,9 +75,23 @@ def measure(engine: Engine, prompt_ids, params, label: str) -> dict:
             engine.generate_ids(prompt_ids, params)
             sync()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_us = sum(e.device_time for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name)
-    out = {"run": label, "nfe": nfe, "tokens": len(res.token_ids), "wall_ms_per_forward": wall / nfe * 1e3,
+    computed = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+    gpu_us = sum(e.device_time for e in computed)
+    by_name = defaultdict(lambda: [0.0, 0])
+    for e in computed:
+        by_name[e.name][0] += e.device_time
+        by_name[e.name][1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    floor_ms = weight_bytes_per_iteration(engine, unique, params.block_length) / (hbm_gbps * 1e9) * 1e3
+    out = {"run": label, "nfe": nfe, "cache_forwards": res.cache_forwards, "tokens": len(res.token_ids),
+           "wall_ms_per_forward": wall / nfe * 1e3,
            "gpu_kernel_ms_per_forward": gpu_us / nfe / 1e3, "kernels_per_forward": len(kernels) / nfe,
+           "unique_experts_per_layer_iteration": unique, "floor_ms_per_forward": floor_ms,
+           "wall_over_floor": wall / nfe * 1e3 / floor_ms if floor_ms == floor_ms else None,
+           # like the two columns before: the profiled generate's kernels (prefill and cache fills too) over its
+           # denoising forwards
+           "top_kernels_us_per_forward": [{"kernel": name[:90], "us": us / nfe, "launches": n / nfe}
+                                          for name, (us, n) in ranked],
            "host_ms_per_forward": host, "calls_per_forward": calls}
     print(json.dumps(out, indent=1), flush=True)
     return out
@@ -83,16 +103,21 @@ def main():
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--fused-router", action="store_true", help="the engine's --fused-router")
+    ap.add_argument("--fused-moe", action="store_true", help="the engine's --fused-moe")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0"))
+    engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0",
+                                 fused_router=args.fused_router, fused_moe=args.fused_moe))
+    hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")
     results = []
     for run in args.runs.split(","):
         policy, budget = run.split("@")
         engine.set_runtime(policy, budget)
-        results.append(measure(engine, prompt_ids, params, run))
+        results.append(measure(engine, prompt_ids, params, run, hbm_gbps, args.top))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
