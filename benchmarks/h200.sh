@@ -13,7 +13,7 @@
 #   fused  `full` and `lru` at 100/40 % with and without FUSED_FLAG (default --fused-router, the Triton router
 #          kernel; --fused-moe: the Triton routed-experts kernels), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
-#          the fused-MoE kernels at their default tiles and at KERNEL_TILES' configurations too)
+#          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given)
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
 #          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with the fused kernels)
@@ -107,12 +107,15 @@ if has busy; then
     --extra --device cpu > $R/busy.log 2>&1; echo "busy rc=$?"; cat $R/busy.log
 fi
 if has kernels; then
-  tiles=""; for t in ${KERNEL_TILES:-gate_up_n=64,down_n=128 num_warps=8 gate_up_k=256,down_k=256}; do
+  tiles=""; for t in ${KERNEL_TILES:-}; do
     tiles="$tiles --moe-tiles $t"; done
-  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py --out $R/kernels.jsonl > $R/kernels.log 2>&1
-  echo "kernels rc=$?"
-  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py --cases moe $tiles --out $R/kernels-tiles.jsonl \
-    > $R/kernels-tiles.log 2>&1; echo "kernels (tiles) rc=$?"; tail -40 $R/kernels.log; tail -30 $R/kernels-tiles.log
+  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py ${KERNELS_CASES:+--cases $KERNELS_CASES} \
+    --out $R/kernels.jsonl > $R/kernels.log 2>&1
+  echo "kernels rc=$?"; tail -40 $R/kernels.log
+  if [ -n "${KERNEL_TILES:-}" ]; then
+    timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py --cases moe $tiles --out $R/kernels-tiles.jsonl \
+      > $R/kernels-tiles.log 2>&1; echo "kernels (tiles) rc=$?"; tail -30 $R/kernels-tiles.log
+  fi
 fi
 if has fused; then
   for mode in ${FUSED_MODES:-plain fused}; do
@@ -133,14 +136,18 @@ fi
 if has overhead; then
   # OVERHEAD_MODES: "plain" and/or "fused" (OVERHEAD_FUSED: the engine flags of the fused run), one JSON each
   for mode in ${OVERHEAD_MODES:-plain}; do
-    flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused-router --fused-moe}
+    flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused-router --fused-moe --fused-norm --fused-confidence}
     timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
       --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \
       --out $R/offload_overhead-$mode.json > $R/overhead-$mode.log 2>&1; echo "overhead ($mode) rc=$?"
     cp $R/offload_overhead-$mode.json $OUT/ 2>/dev/null
     python3 - $R/offload_overhead-$mode.json <<'PY'
 import json, sys
-for r in json.load(open(sys.argv[1])):
+runs = json.load(open(sys.argv[1]))
+ref = next((r["token_ids"] for r in runs if r["run"].startswith("full@")), None)
+for r in runs:
+    if ref is not None:
+        print(r["run"], "tokens", "equal to full's" if r["token_ids"] == ref else "DIFFERENT from full's")
     print(r["run"], "wall ms/fwd %.2f gpu %.2f launches %.0f floor %.2f (x%.1f)" % (
         r["wall_ms_per_forward"], r["gpu_kernel_ms_per_forward"], r["kernels_per_forward"],
         r["floor_ms_per_forward"], r["wall_over_floor"] or float("nan")))

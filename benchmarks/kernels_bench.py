@@ -21,6 +21,11 @@ enough copies to exceed twice the L2, so each call reads its logits from HBM. Mo
 against grouped_swiglu + index_copy_ (ExpertManager._grouped's torch path). GB/s count the unique experts' weight
 bytes once (192-282 MiB a call, well past the L2; two routings are cycled); floor_us is that at --peak-gbps.
 
+Norm: at T in NORM_TOKENS, LLaDA2.0-mini's hidden 2048 and attention (16 query and 4 KV heads of 128, 64 dims
+rotated), bf16: add_rms_norm against the residual add and RMSNorm, qk_norm_rope against the attention prologue
+(QK-norm, RoPE, the two index copies), combine_pairs against ExpertManager.combine (top-8); each must give the
+reference's bits on NORM_EQUAL_FRACTION of the elements and lie within NORM_MAX_REL elsewhere.
+
 Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
 2 no CUDA device or no Triton.
 """
@@ -32,13 +37,11 @@ import math
 import statistics
 import sys
 from collections import Counter
-from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # run from a checkout without installing
-
-CASES = ("router", "confidence", "moe")
+CASES = ("router", "confidence", "moe", "norm")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -51,6 +54,10 @@ MOE_SLOTS = (256, 103)                                 # a layer's slots at 100 
 MOE_ROUTING = ((32, 32), (32, 47), (64, 32), (64, 47))  # (tokens, unique experts) of a decode step
 # bf16, same rounding points, fp32 sums in another order: elements an ulp or two apart at most
 MOE_MAX_ERR, MOE_REL_L2 = 2**-6, 2**-9
+NORM_TOKENS = (32, 128)                                # decode chunks: a block, and a block with its neighbours
+HEADS, KV_HEADS, HEAD_DIM, ROTARY = 16, 4, 128, 64     # LLaDA2.0-mini's attention
+# the norm kernels round where torch rounds; only a mean of squares sums in another order
+NORM_EQUAL_FRACTION, NORM_MAX_REL = 0.99, 2**-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,6 +311,79 @@ def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN
             "torch": counter(reference, args[0]), "fused": counter(fused, args[0]), "check": check}
 
 
+def compare_bits(want, got) -> dict:
+    diff = (got.float() - want.float()).abs()
+    rel = float((diff / want.float().abs().clamp_min(1e-30)).max()) if diff.numel() else 0.0
+    equal = float((got == want).float().mean())
+    return {"equal_fraction": equal, "max_rel_err": rel, "ok": equal >= NORM_EQUAL_FRACTION and rel <= NORM_MAX_REL}
+
+
+def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
+    from oled.kernels.triton_moe import combine_pairs
+    from oled.kernels.triton_norm import add_rms_norm, qk_norm_rope
+    from oled.models.layers import RMSNorm, apply_rope, rope_cos_sin
+    from oled.runtime.manager import ExpertManager
+
+    g = torch.Generator(device=device).manual_seed(seed + tokens)
+    bf = torch.bfloat16
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g)        # noqa: E731
+    x, residual = (3 * rand(tokens, hidden)).to(bf), rand(tokens, hidden).to(bf)
+    norm = RMSNorm(hidden, 1e-6).to(device, bf)
+    qk_norms = [RMSNorm(HEAD_DIM, 1e-6).to(device, bf) for _ in range(2)]
+    with torch.no_grad():
+        for n in (norm, *qk_norms):
+            n.weight.copy_(1 + 0.3 * rand(n.weight.shape[0]))
+    qkv = (2 * rand(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)).to(bf)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    positions = torch.arange(100, 100 + tokens, device=device)
+    cos, sin = rope_cos_sin(positions, ROTARY, 600000.0, bf)
+    caches = [torch.zeros(KV_HEADS, 4096, HEAD_DIM, device=device, dtype=bf) for _ in range(4)]
+    y_pairs, weights = rand(tokens * 8, hidden).to(bf), torch.rand(tokens, 8, device=device, generator=g)
+
+    def norm_ref(x, residual):
+        total = residual + x
+        return norm(total), total
+
+    def prologue_ref(k_cache, v_cache):
+        qh, kh = qk_norms[0](q.view(tokens, HEADS, HEAD_DIM)), qk_norms[1](k.view(tokens, KV_HEADS, HEAD_DIM))
+        qh, kh = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
+        k_cache.index_copy_(1, positions, kh.transpose(0, 1))
+        v_cache.index_copy_(1, positions, v.view(tokens, KV_HEADS, HEAD_DIM).transpose(0, 1))
+        return qh.transpose(0, 1)
+
+    def prologue(k_cache, v_cache):
+        return qk_norm_rope(q, k, v, cos, sin, qk_norms[0].weight, qk_norms[1].weight, 1e-6, positions, k_cache,
+                            v_cache)
+
+    combine_ref = lambda y, w: ExpertManager.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731
+    pairs = {
+        "add_rms_norm": (norm_ref, lambda x, r: add_rms_norm(x, r, norm.weight, norm.eps), (x, residual)),
+        "qk_norm_rope": (prologue_ref, prologue, tuple(caches[:2])),
+        "combine": (combine_ref, combine_pairs, (y_pairs, weights)),
+    }
+    out, ok = {"case": "norm", "tokens": tokens, "hidden": hidden}, True
+    with torch.no_grad():
+        for name, (ref, fused, args) in pairs.items():
+            if name == "qk_norm_rope":
+                want, got = ref(*caches[2:]), fused(*caches[:2])
+                check = {"q": compare_bits(want, got), "k_cache": compare_bits(caches[2], caches[0]),
+                         "v_cache": compare_bits(caches[3], caches[1])}
+                check["ok"] = all(c["ok"] for c in check.values())
+            else:
+                want, got = ref(*args), fused(*args)
+                if isinstance(want, tuple):
+                    check = {"out": compare_bits(want[0], got[0]), "sum": compare_bits(want[1], got[1])}
+                    check["ok"] = check["out"]["ok"] and check["sum"]["ok"]
+                else:
+                    check = compare_bits(want, got)
+            torch_us, triton_us = timer(ref, [args]), timer(fused, [args])
+            out[name] = {"torch_us": torch_us, "triton_us": triton_us, "speedup": torch_us / triton_us,
+                         "torch": counter(ref, args), "triton": counter(fused, args), "check": check}
+            ok = ok and check["ok"]
+    out["check"] = {"ok": ok}
+    return out
+
+
 def copies_beyond_l2(num_bytes: int, l2_bytes: int) -> int:
     """Enough copies of an input that cycling through them never finds the last one still in L2."""
     return max(1, math.ceil(2 * l2_bytes / num_bytes))
@@ -384,6 +464,8 @@ def main(argv=None) -> int:
                                                                   counter=cuda_launches, tiles=tiles,
                                                                   peak_gbps=args.peak_gbps)
                       for tiles in args.moe_tiles for s in MOE_SLOTS for t, u in MOE_ROUTING]
+        if "norm" in args.cases:
+            cases += [lambda t=t: norm_case(t, device="cuda", timer=timer, counter=cuda_launches) for t in NORM_TOKENS]
         for case in cases:
             record = {"bench": "kernels", **case(), "env": env}
             line = json.dumps(record)

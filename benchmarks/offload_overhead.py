@@ -6,7 +6,7 @@ steps) and around whole forwards, then one generate under torch.profiler for GPU
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused-router] [--fused-moe]
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused-router] [--fused-moe] [--fused-norm] [--fused-confidence]
         [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
@@ -84,6 +84,7 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     floor_ms = weight_bytes_per_iteration(engine, unique, params.block_length) / (hbm_gbps * 1e9) * 1e3
     out = {"run": label, "nfe": nfe, "cache_forwards": res.cache_forwards, "tokens": len(res.token_ids),
+           "token_ids": res.token_ids,
            "wall_ms_per_forward": wall / nfe * 1e3,
            "gpu_kernel_ms_per_forward": gpu_us / nfe / 1e3, "kernels_per_forward": len(kernels) / nfe,
            "unique_experts_per_layer_iteration": unique, "floor_ms_per_forward": floor_ms,
@@ -105,11 +106,14 @@ def main():
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--fused-router", action="store_true", help="the engine's --fused-router")
     ap.add_argument("--fused-moe", action="store_true", help="the engine's --fused-moe")
+    ap.add_argument("--fused-norm", action="store_true", help="the engine's --fused-norm")
+    ap.add_argument("--fused-confidence", action="store_true", help="the engine's --fused-confidence")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0",
-                                 fused_router=args.fused_router, fused_moe=args.fused_moe))
+                                 fused_router=args.fused_router, fused_moe=args.fused_moe,
+                                 fused_norm=args.fused_norm, fused_confidence=args.fused_confidence))
     hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")

@@ -45,6 +45,10 @@ class EngineConfig:
                                           # CUDA, or TRITON_INTERPRET=1; off until measured in the engine)
     fused_moe: bool = False               # the routed experts as Triton kernels over the slot pool instead of the
                                           # torch grouped GEMMs (same needs; off until measured on the H200)
+    fused_confidence: bool = False        # greedy x0 and its probability from the LM head's logits in one Triton
+                                          # pass, no softmax written (same needs)
+    fused_norm: bool = False              # each RMSNorm with its residual add, and the attention prologue (QK-norm,
+                                          # RoPE, the KV-cache write), as Triton kernels (same needs)
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

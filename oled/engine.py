@@ -10,6 +10,7 @@ import torch
 from .config import EngineConfig
 from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
+from .decoding import rules
 from .decoding.params import DecodeParams
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict, load_config
@@ -63,6 +64,13 @@ class Engine:
             self._check_triton_runs("--fused-router", "router_kernel", "sigmoid_group_route_kernel")
         if cfg.fused_moe:
             self._check_triton_runs("--fused-moe", "moe_kernel", "gate_up_kernel")
+        if cfg.fused_norm:
+            self._check_triton_runs("--fused-norm", "norm_kernel", "add_rms_norm_kernel")
+        self.predict = rules.predict
+        if cfg.fused_confidence:
+            self._check_triton_runs("--fused-confidence", "confidence_kernel", "scan_kernel")
+            from .kernels.triton_confidence import predict
+            self.predict = predict
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
@@ -99,6 +107,7 @@ class Engine:
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         if cfg.fused_router:
             self._use_fused_router()
+        self.model.use_fused_norm(cfg.fused_norm)
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
         self.graphs: ForwardGraphs | None = None
@@ -200,7 +209,7 @@ class Engine:
                      cancelled=None) -> GenerationResult:
         params.validate()
         return generate(self.model, self.manager, prompt_ids, params, on_block=on_block, timer=self.timer,
-                        cancelled=cancelled, graphs=self.graphs)
+                        cancelled=cancelled, graphs=self.graphs, predict=self.predict)
 
     def describe(self) -> str:
         return (f"{self.model_name} ({self.config.model_type}, {self.config.num_layers} layers, "

@@ -318,7 +318,9 @@ COMPILE_SM90 = textwrap.dedent("""
     from triton.compiler import ASTSource
     from oled.kernels.confidence_kernel import combine_kernel, scan_kernel
     from oled.kernels.moe_align_kernel import align_pairs_kernel
+    from oled.kernels.moe_kernel import combine_kernel as moe_combine_kernel
     from oled.kernels.moe_kernel import down_kernel, gate_up_kernel
+    from oled.kernels.norm_kernel import add_rms_norm_kernel, qk_norm_rope_kernel
     from oled.kernels.router_kernel import sigmoid_group_route_kernel
 
     def build(fn, signature, constexprs, num_warps, aligned=()):
@@ -370,6 +372,27 @@ COMPILE_SM90 = textwrap.dedent("""
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
             assert "tf32" not in asm["ptx"]
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"
+    moe_combine = build(moe_combine_kernel,
+        {"y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "y_row_stride": "i32", "out_row_stride": "i32",
+         "hidden": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024, "INTERPRETED": False}, 4)
+    assert "cvt.rn.bf16.f32" in moe_combine["ptx"]
+
+    # the norms at LLaDA2.0-mini's shapes (hidden 2048; 16 query and 4 KV heads of 128, 64 dims rotated)
+    for residual in (False, True):
+        norm = build(add_rms_norm_kernel,
+            {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+             "n_cols": "i32", "x_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "sum_stride": "i32",
+             "eps": "fp32"}, {"BLOCK": 2048, "HAS_RESIDUAL": residual, "INTERPRETED": False}, 4)
+        assert "cvt.rn.bf16.f32" in norm["ptx"], "bf16 stores round to nearest even"
+    prologue = build(qk_norm_rope_kernel,
+        {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_stride": "i32", "k_stride": "i32", "v_stride": "i32",
+         "cos_ptr": "*bf16", "sin_ptr": "*bf16", "rope_stride": "i32", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16",
+         "positions_ptr": "*i64", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+         "q_out_head_stride": "i32", "cache_head_stride": "i32", "cache_pos_stride": "i32", "num_tokens": "i32",
+         "eps": "fp32"},
+        {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "ROTARY": 64, "BLOCK_D": 128, "HAS_NORM": True,
+         "INTERPRETED": False}, 1)
+    assert prologue["cubin"]
 """)
 
 

@@ -24,7 +24,7 @@ SENTINEL = 7.25           # fills `out` before a call: rows without a slot must 
 
 @pytest.fixture(scope="module")
 def moe():
-    mp = interpreted_kernels("moe_align_kernel", "moe_kernel")
+    mp = interpreted_kernels("kernel_math", "moe_align_kernel", "moe_kernel")
     from oled.kernels import moe_align_kernel, moe_kernel, triton_moe, triton_support
 
     assert triton_support.interpreted(moe_kernel.gate_up_kernel)
@@ -327,3 +327,29 @@ def test_fused_moe_in_the_engine_gives_the_same_tokens(moe, monkeypatch, policy,
         if policy == "lru":                                   # misses: first waves loaded and computed
             assert llm.engine.manager.stats.summary()["hit_rate_tokens"] < 1.0
     assert tokens[True] == tokens[False] and len(tokens[True]) == 16
+
+
+@pytest.mark.parametrize("dtype,weights_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("tokens,k,hidden", [(1, 1, 64), (5, 4, 96), (9, 8, 1536)])     # 1536: two column tiles
+def test_combine_equals_the_managers_torch_combine(moe, dtype, weights_dtype, tokens, k, hidden):
+    """combine_pairs: the weighted sum of each token's pairs, as ExpertManager.combine computes it in torch (fp32
+    sums in routing order, one rounding); bf16 weights (LLaDA-MoE's) are widened as torch widens them."""
+    from oled.runtime.manager import ExpertManager
+
+    g = torch.Generator().manual_seed(tokens * hidden + k)
+    y = torch.randn(tokens * k, hidden, generator=g).to(dtype)
+    weights = torch.rand(tokens, k, generator=g).to(weights_dtype)
+    ref = ExpertManager.combine(SimpleNamespace(fused_combine=None), y, weights)
+    got = moe.module.combine_pairs(y, weights)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    else:       # the fp32 sum's order may differ from torch's reduction, by an fp32 ulp: rarely a bf16 ulp
+        assert (got != ref).float().mean().item() < 0.01
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=0)
+
+
+def test_combine_refuses_mismatched_shapes(moe):
+    with pytest.raises(ValueError, match="y_pairs must be"):
+        moe.module.combine_pairs(torch.randn(6, 8), torch.rand(2, 4))

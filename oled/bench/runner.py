@@ -108,8 +108,7 @@ class BenchConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True
     offload_graphs: bool = True
-    fused_router: bool = False
-    fused_moe: bool = False
+    fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
     cpu_kernel: dict = field(default_factory=dict)   # EngineConfig's cpu_* fields (the CPU kernel's knobs)
     # decoding and protocol
     decode: DecodeParams = field(default_factory=DecodeParams)
@@ -257,8 +256,7 @@ class Bench:
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
-                            offload_graphs=cfg.offload_graphs, fused_router=cfg.fused_router, fused_moe=cfg.fused_moe,
-                            **cfg.cpu_kernel,
+                            offload_graphs=cfg.offload_graphs, **cfg.fused, **cfg.cpu_kernel,
                             policy="lru",
                             expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)
@@ -399,7 +397,7 @@ class Bench:
             commits = self.source
             commits.begin_request(request)
         return generate(engine.model, manager or engine.manager, ids, params, timer=timer,
-                        graphs=engine.graphs if manager is None else None, commits=commits)
+                        graphs=engine.graphs if manager is None else None, commits=commits, predict=engine.predict)
 
     def _reference(self, engine, workload, prompts):
         """Reference tokens (full residency) and expert popularity for fiddler, from one untimed pass."""

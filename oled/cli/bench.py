@@ -65,7 +65,7 @@ def run(args) -> int:
     from ..bench import BenchConfig, render, run_bench
     from ..bench.runner import parse_list
     from ..runtime.budget import parse_spec
-    from .common import cpu_kernel_fields, decode_params
+    from .common import cpu_kernel_fields, decode_params, fused_fields
 
     if args.render:
         path = render(args.render, breakdown=args.breakdown)
@@ -83,7 +83,7 @@ def run(args) -> int:
                       random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
                       dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
                       cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
-                      fused_router=args.fused_router, fused_moe=args.fused_moe, cpu_kernel=cpu_kernel_fields(args),
+                      fused=fused_fields(args), cpu_kernel=cpu_kernel_fields(args),
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
                       profile_all=args.profile_all, profile=args.profile, replay=args.replay, routing=args.routing,

@@ -85,6 +85,12 @@ def add_execution_args(g) -> None:
                    help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
                         "device, gate|up then down, written straight to each pair's row) instead of torch's grouped "
                         "GEMMs (needs Triton and CUDA; measured in the engine for full and lru only; default: off)")
+    g.add_argument("--fused-confidence", action="store_true",
+                   help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
+                        "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused-norm", action="store_true",
+                   help="each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial "
+                        "RoPE, the KV-cache write), as one Triton kernel each (needs Triton and CUDA; default: off)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
@@ -111,8 +117,16 @@ def engine_config(args) -> EngineConfig:
                         misses=args.misses, waves=args.waves, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
-                        offload_graphs=args.offload_graphs, fused_router=args.fused_router,
-                        fused_moe=args.fused_moe, profile=getattr(args, "profile", False), **cpu_kernel_fields(args))
+                        offload_graphs=args.offload_graphs, profile=getattr(args, "profile", False),
+                        **fused_fields(args), **cpu_kernel_fields(args))
+
+
+FUSED_FIELDS = ("fused_router", "fused_moe", "fused_norm", "fused_confidence")
+
+
+def fused_fields(args) -> dict:
+    """The Triton kernels' EngineConfig switches from the flags of add_execution_args (`oled bench` passes them on)."""
+    return {name: getattr(args, name) for name in FUSED_FIELDS}
 
 
 CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_cost_feedback", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us",

@@ -12,18 +12,8 @@ Triton software-pipelines, and which the interpreter can run (not a runtime-boun
 """
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _silu(x, INTERPRETED: tl.constexpr):
-    """x / (1 + exp(-x)) in fp32, as torch's CUDA silu computes it (expf, IEEE division) when compiled; the
-    interpreter has no libdevice and takes numpy's exp."""
-    if INTERPRETED:
-        e = tl.exp(-x)
-    else:
-        e = libdevice.exp(-x)
-    return tl.math.div_rn(x, 1.0 + e)
+from .kernel_math import round_to, silu
 
 
 @triton.jit
@@ -34,18 +24,6 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 rounded to `dtype` (to nearest, ties to even) and widened back: where the torch path stores a value in
-    x's dtype. The interpreter's fp32 -> bf16 cast truncates, so there bf16 is rounded on the bits (finite
-    values; a compiled cast rounds to nearest even itself)."""
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -85,9 +63,9 @@ def gate_up_kernel(
     # the torch path's rounding points: h = x @ gate_up^T in x's dtype, silu(h_gate) in x's dtype, then the
     # product rounded once more (no-ops in fp32)
     dtype = act_ptr.dtype.element_ty
-    gate = _round(acc_gate, dtype, INTERPRETED)
-    act = _round(_silu(gate, INTERPRETED), dtype, INTERPRETED) * _round(acc_up, dtype, INTERPRETED)
-    tl.store(act_ptr + row[:, None] * INTER + n[None, :], _round(act, dtype, INTERPRETED).to(dtype))
+    gate = round_to(acc_gate, dtype, INTERPRETED)
+    act = round_to(silu(gate, INTERPRETED), dtype, INTERPRETED) * round_to(acc_up, dtype, INTERPRETED)
+    tl.store(act_ptr + row[:, None] * INTER + n[None, :], round_to(act, dtype, INTERPRETED).to(dtype))
 
 
 @triton.jit
@@ -117,4 +95,22 @@ def down_kernel(
 
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * out_row_stride + n[None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptrs, _round(acc, dtype, INTERPRETED).to(dtype), mask=(pair >= 0)[:, None])
+    tl.store(out_ptrs, round_to(acc, dtype, INTERPRETED).to(dtype), mask=(pair >= 0)[:, None])
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr, weights_ptr, out_ptr, y_row_stride, out_row_stride, hidden,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Grid (tokens, column tiles): out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32 (weights widened from
+    their dtype), in routing order j = 0, 1, ..., rounded to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    here = col < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(TOP_K):
+        w = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * y_row_stride + col, mask=here, other=0.0).to(tl.float32) * w
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * out_row_stride + col, round_to(acc, dtype, INTERPRETED).to(dtype), mask=here)

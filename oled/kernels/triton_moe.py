@@ -54,7 +54,7 @@ import torch
 
 from .triton_support import available, check_device, interpreted
 
-__all__ = ["MoeTiles", "align_pairs", "available", "fused_swiglu_pairs", "padded_rows"]
+__all__ = ["MoeTiles", "align_pairs", "available", "combine_pairs", "fused_swiglu_pairs", "padded_rows"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_TILE = 16                  # tl.dot's smallest M, N and K
@@ -123,6 +123,32 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     down_kernel[(num_blocks, hidden // n_down)](
         act, pool, sorted_pairs, block_slots, out, pool.stride(0), out.stride(0),
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
+
+
+def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's routed output in one launch: out[t] = sum_j weights[t, j] * y_pairs[t * k + j] (fp32, routing
+    order, rounded to y's dtype). y_pairs [T * k, H], weights [T, k] (fp32, or the model dtype for LLaDA-MoE)
+    -> [T, H]. The torch path
+    (ExpertManager.combine) is four launches: the widening, the product, the sum, the cast back."""
+    import triton
+
+    from .moe_kernel import combine_kernel
+
+    T, k = weights.shape
+    if y_pairs.dim() != 2 or y_pairs.shape[0] != T * k or weights.dtype not in _DTYPES:
+        raise ValueError(f"y_pairs must be [T * k, H] and weights [T, k] float, got {tuple(y_pairs.shape)} and "
+                         f"{tuple(weights.shape)} {weights.dtype}")
+    hidden = y_pairs.shape[1]
+    y_pairs = y_pairs if y_pairs.stride(-1) == 1 else y_pairs.contiguous()
+    weights = weights.contiguous()
+    check_device(combine_kernel, y_pairs, weights)
+    out = torch.empty(T, hidden, dtype=y_pairs.dtype, device=y_pairs.device)
+    if T:
+        block = min(triton.next_power_of_2(hidden), 1024)
+        combine_kernel[(T, triton.cdiv(hidden, block))](
+            y_pairs, weights, out, y_pairs.stride(0), out.stride(0), hidden, TOP_K=k, BLOCK_H=block,
+            INTERPRETED=interpreted(combine_kernel), num_warps=4)
+    return out
 
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int,

@@ -24,6 +24,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.fused = False      # the prologue (QK-norm, RoPE, cache write) as one Triton launch (set by the model)
 
     def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, mask):
         """x [T, H] at `positions` (a device tensor [T]); k_cache/v_cache [kv_heads, max_len, head_dim] of this layer.
@@ -37,15 +38,23 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache.index_copy_(1, positions, k.transpose(0, 1))
-        v_cache.index_copy_(1, positions, v.transpose(0, 1))
+        if self.fused:
+            from ..kernels.triton_norm import qk_norm_rope
+
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q = qk_norm_rope(q, k, v, cos, sin, *norms, eps, positions, k_cache, v_cache)       # [heads, T, D]
+        else:
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache.index_copy_(1, positions, k.transpose(0, 1))
+            v_cache.index_copy_(1, positions, v.transpose(0, 1))
+            q = q.transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
+            q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
             attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(T, self.q_dim))

@@ -13,11 +13,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False      # add_norm as one Triton launch (EngineConfig.fused_norm, set by the model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a sublayer's output x added to the residual stream, and the next
+        sublayer's input; residual None starts the stream at x."""
+        if self.fused:
+            from ..kernels.triton_norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        total = x if residual is None else residual + x
+        return self(total), total
 
 
 class SwiGLU(nn.Module):

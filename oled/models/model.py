@@ -19,12 +19,17 @@ class DecoderLayer(nn.Module):
         self.mlp = (SwiGLU(config.hidden_size, config.dense_intermediate_size)
                     if layer_idx < config.num_dense_layers else MoEBlock(config, layer_idx))
 
-    def forward(self, h, cos, sin, k_cache, v_cache, positions, key_len, mask, timer):
+    def forward(self, h, residual, cos, sin, k_cache, v_cache, positions, key_len, mask, timer):
+        """h: the previous sublayer's output, not yet added to the residual stream `residual` (None before the
+        first layer: h is the embedding). Returns this layer's MLP output and the stream before it, so that each
+        residual add is fused with the norm after it."""
         with timer("attention"):
-            h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, positions, key_len, mask)
+            x, residual = self.attn_norm.add_norm(h, residual)
+            h = self.attn(x, cos, sin, k_cache, v_cache, positions, key_len, mask)
         with timer("moe" if isinstance(self.mlp, MoEBlock) else "dense_mlp"):
-            h = h + self.mlp(self.mlp_norm(h))
-        return h
+            x, residual = self.mlp_norm.add_norm(h, residual)
+            h = self.mlp(x)
+        return h, residual
 
 
 class _NoTimer:
@@ -52,6 +57,13 @@ class MoEDiffusionLM(nn.Module):
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def use_fused_norm(self, on: bool) -> None:
+        """Every RMSNorm with its residual add, and every attention prologue (QK-norm, RoPE, the cache write), as
+        Triton kernels (oled/kernels/triton_norm.py) or as the torch code."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = on
 
     def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
                        block_length: int) -> torch.Tensor:
@@ -86,10 +98,11 @@ class MoEDiffusionLM(nn.Module):
         shapes wherever the chunk sits, so one CUDA graph serves every chunk of a (length, key length, rows)."""
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
         mask = self.attention_mask(positions, kv_end, key_len, block_length or self.config.block_length)
-        h = self.embed(input_ids)
+        h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, mask, timer)
+            h, residual = layer(h, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, mask, timer)
         if logits_rows is None:
             return None
         with timer("lm_head"):
-            return self.lm_head(self.norm(h[logits_rows])).float()
+            x, _ = self.norm.add_norm(h[logits_rows], residual[logits_rows])
+            return self.lm_head(x).float()

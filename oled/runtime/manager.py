@@ -67,10 +67,10 @@ class ExpertManager:
         self.cuda = self.device.type == "cuda"
         # EngineConfig.fused_moe: the Triton kernels over the slot pool (oled/kernels/triton_moe.py) instead of
         # grouped_swiglu; they write the served pairs' rows only
-        self.fused_swiglu = None
+        self.fused_swiglu = self.fused_combine = None
         if fused_moe:
-            from ..kernels.triton_moe import fused_swiglu_pairs
-            self.fused_swiglu = fused_swiglu_pairs
+            from ..kernels.triton_moe import combine_pairs, fused_swiglu_pairs
+            self.fused_swiglu, self.fused_combine = fused_swiglu_pairs, combine_pairs
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
@@ -173,6 +173,8 @@ class ExpertManager:
 
     def combine(self, y_pairs, weights):
         """sum_k weights[t, k] * y_pairs[t * k + k'], in fp32, in routing order."""
+        if self.fused_combine is not None:
+            return self.fused_combine(y_pairs, weights)
         T, k = weights.shape
         return (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
 

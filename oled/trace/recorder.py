@@ -172,7 +172,7 @@ def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None)
         for pid, ids in prompts:
             params.validate()
             rec.begin_request(pid, ids)
-            res = generate(engine.model, rec, ids, params, timer=engine.timer)
+            res = generate(engine.model, rec, ids, params, timer=engine.timer, predict=engine.predict)
             rec.end_request(res.token_ids)
             results.append(res)
             if on_prompt is not None:

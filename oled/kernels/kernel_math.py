@@ -1,0 +1,30 @@
+"""Triton helpers the kernels share: rounding where the torch reference stores a value, and torch's SiLU.
+
+Imports Triton unconditionally; only the kernel modules import it, and only when Triton is available.
+"""
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def silu(x, INTERPRETED: tl.constexpr):
+    """x / (1 + exp(-x)) in fp32, as torch's CUDA silu computes it (expf, IEEE division) when compiled; the
+    interpreter has no libdevice and takes numpy's exp."""
+    if INTERPRETED:
+        e = tl.exp(-x)
+    else:
+        e = libdevice.exp(-x)
+    return tl.math.div_rn(x, 1.0 + e)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 rounded to `dtype` (to nearest, ties to even) and widened back: where the torch path stores a value in
+    its dtype. The interpreter's fp32 -> bf16 cast truncates, whatever rounding mode is asked for, so there bf16
+    is rounded on the bits (finite values; a compiled cast rounds to nearest even itself)."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
