@@ -6,7 +6,7 @@ steps) and around whole forwards, then one generate under torch.profiler for GPU
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused-router] [--fused-moe] [--fused-norm] [--fused-confidence]
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--no-fused-router] [--no-fused-moe] [--no-fused-norm] [--no-fused-confidence]
         [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
@@ -104,10 +104,8 @@ def main():
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--fused-router", action="store_true", help="the engine's --fused-router")
-    ap.add_argument("--fused-moe", action="store_true", help="the engine's --fused-moe")
-    ap.add_argument("--fused-norm", action="store_true", help="the engine's --fused-norm")
-    ap.add_argument("--fused-confidence", action="store_true", help="the engine's --fused-confidence")
+    for kernel in ("router", "moe", "norm", "confidence"):     # the engine's flags: default on with CUDA and Triton
+        ap.add_argument(f"--fused-{kernel}", action=argparse.BooleanOptionalAction, help=f"the engine's --fused-{kernel}")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -60,15 +60,9 @@ class Engine:
         check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
-        if cfg.fused_router:
-            self._check_triton_runs("--fused-router", "router_kernel", "sigmoid_group_route_kernel")
-        if cfg.fused_moe:
-            self._check_triton_runs("--fused-moe", "moe_kernel", "gate_up_kernel")
-        if cfg.fused_norm:
-            self._check_triton_runs("--fused-norm", "norm_kernel", "add_rms_norm_kernel")
+        self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_* resolved: name -> on (router: see below)
         self.predict = rules.predict
-        if cfg.fused_confidence:
-            self._check_triton_runs("--fused-confidence", "confidence_kernel", "scan_kernel")
+        if self.kernels["fused_confidence"]:
             from .kernels.triton_confidence import predict
             self.predict = predict
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
@@ -105,9 +99,11 @@ class Engine:
             loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
-        if cfg.fused_router:
+        if cfg.fused_router is None:          # auto: LLaDA2's routing only (the kernel implements it alone)
+            self.kernels["fused_router"] = self.kernels["fused_router"] and self.config.router == "sigmoid_group"
+        if self.kernels["fused_router"]:
             self._use_fused_router()
-        self.model.use_fused_norm(cfg.fused_norm)
+        self.model.use_fused_norm(self.kernels["fused_norm"])
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
         self.graphs: ForwardGraphs | None = None
@@ -152,7 +148,7 @@ class Engine:
                 log.info("miss service: %s", self.costs.describe())
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
                                      costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
-                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.cfg.fused_moe)
+                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"])
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.policy.static_full
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
@@ -161,6 +157,26 @@ class Engine:
         for block in self.model.moe_blocks():
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.predicted_routing
+
+    # EngineConfig field -> (flag, kernel module, a kernel of it)
+    KERNELS = {"fused_router": ("--fused-router", "router_kernel", "sigmoid_group_route_kernel"),
+               "fused_moe": ("--fused-moe", "moe_kernel", "gate_up_kernel"),
+               "fused_norm": ("--fused-norm", "norm_kernel", "add_rms_norm_kernel"),
+               "fused_confidence": ("--fused-confidence", "confidence_kernel", "scan_kernel")}
+
+    def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
+        """Each Triton kernel on or off: as asked (True is checked to run here), or with None, on where it compiles
+        (a CUDA device and Triton)."""
+        from .kernels import triton_support
+
+        auto = self.device.type == "cuda" and triton_support.available()
+        picked = {}
+        for name, (flag, module, kernel) in self.KERNELS.items():
+            asked = getattr(cfg, name)
+            if asked:
+                self._check_triton_runs(flag, module, kernel)
+            picked[name] = auto if asked is None else bool(asked)
+        return picked
 
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
         """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on
@@ -216,5 +232,6 @@ class Engine:
                 f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
                 f"policy {self.policy.name}; {self.budget.describe()}; non-expert weights "
                 f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
-                f"{' pinned' if self.store.pinned else ''}"
+                f"{' pinned' if self.store.pinned else ''}; Triton kernels: "
+                + (", ".join(n.removeprefix("fused_") for n, on in self.kernels.items() if on) or "none")
                 + (f"; miss service: {self.manager.costs.describe()}" if self.manager.costs is not None else ""))

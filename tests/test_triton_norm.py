@@ -210,3 +210,17 @@ def test_the_benchmarks_norm_case_runs_under_the_interpreter(norm):
     assert record["check"]["ok"], record
     for name in ("add_rms_norm", "qk_norm_rope", "combine"):
         assert record[name]["check"]["ok"] and record[name]["speedup"] == 1.0
+
+
+def test_the_kernels_default_to_torch_on_a_cpu_device_and_follow_the_flags(norm):
+    """EngineConfig.fused_* None (the default): on only with a CUDA device, so a CPU engine runs torch's kernels;
+    True turns a kernel on (here through the interpreter), False off; describe() names those that are on."""
+    import oled
+
+    auto = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
+    assert auto.engine.kernels == dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_confidence"), False)
+    assert "Triton kernels: none" in auto.engine.describe()
+    picked = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", fused_norm=True, fused_router=False)
+    assert picked.engine.kernels["fused_norm"] and not picked.engine.kernels["fused_router"]
+    assert all(layer.attn.fused and layer.attn_norm.fused for layer in picked.engine.model.layers)
+    assert "Triton kernels: norm" in picked.engine.describe()

@@ -585,6 +585,7 @@ class Bench:
                 "expert_bytes": engine.store.expert_bytes, "total_expert_bytes": engine.store.host_bytes,
                 "non_expert_bytes": engine.non_expert_bytes, "random_weights": engine.cfg.random_weights,
                 "dtype": str(engine.dtype).replace("torch.", ""),
+                "triton_kernels": [name.removeprefix("fused_") for name, on in engine.kernels.items() if on],
                 "note": ("random weights: routing differs from a trained model" if engine.cfg.random_weights
                          else None)}
 

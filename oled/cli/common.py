@@ -77,20 +77,21 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    g.add_argument("--fused-router", action="store_true",
+    fused = argparse.BooleanOptionalAction
+    g.add_argument("--fused-router", action=fused,
                    help="LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
-                        "gate GEMM: the same ids and weights in fewer launches (needs Triton and CUDA; not yet measured "
-                        "in the engine; default: off)")
-    g.add_argument("--fused-moe", action="store_true",
+                        "gate GEMM: the same ids and weights in fewer launches (default: on with CUDA and Triton, for "
+                        "LLaDA2 checkpoints)")
+    g.add_argument("--fused-moe", action=fused,
                    help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
-                        "device, gate|up then down, written straight to each pair's row) instead of torch's grouped "
-                        "GEMMs (needs Triton and CUDA; measured in the engine for full and lru only; default: off)")
-    g.add_argument("--fused-confidence", action="store_true",
-                   help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
-                        "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused-norm", action="store_true",
+                        "device, gate|up then down, written straight to each pair's row) and their weighted combine, "
+                        "instead of torch's grouped GEMMs (default: on with CUDA and Triton)")
+    g.add_argument("--fused-norm", action=fused,
                    help="each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial "
-                        "RoPE, the KV-cache write), as one Triton kernel each (needs Triton and CUDA; default: off)")
+                        "RoPE, the KV-cache write), as one Triton kernel each (default: on with CUDA and Triton)")
+    g.add_argument("--fused-confidence", action=fused,
+                   help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
+                        "a softmax over the vocabulary (default: on with CUDA and Triton)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
