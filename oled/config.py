@@ -41,13 +41,13 @@ class EngineConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
-    # The Triton kernels (oled/kernels), each against its torch path. None: on with a CUDA device and Triton, off
-    # otherwise (the router: LLaDA2's only); True needs Triton and CUDA, or TRITON_INTERPRET=1 (Engine.kernels).
-    fused_router: bool | None = None      # LLaDA2's routing (sigmoid, bias, group limit, top-k) after the gate GEMM
-    fused_moe: bool | None = None         # the routed experts over the slot pool and their weighted combine
-    fused_norm: bool | None = None        # each RMSNorm with its residual add; the attention prologue (QK-norm,
+    # The Triton kernels (oled/kernels), each in place of its torch path; each needs Triton and CUDA, or
+    # TRITON_INTERPRET=1. Off by default until every policy has run with them on the H200 (BENCHMARKS.md section 16).
+    fused_router: bool = False            # LLaDA2's routing (sigmoid, bias, group limit, top-k) after the gate GEMM
+    fused_moe: bool = False               # the routed experts over the slot pool and their weighted combine
+    fused_norm: bool = False              # each RMSNorm with its residual add; the attention prologue (QK-norm,
                                           # RoPE, the KV-cache write)
-    fused_confidence: bool | None = None  # greedy x0 and its probability from the LM head's logits in one pass
+    fused_confidence: bool = False        # greedy x0 and its probability from the LM head's logits in one pass
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

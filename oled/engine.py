@@ -60,7 +60,7 @@ class Engine:
         check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
-        self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_* resolved: name -> on (router: see below)
+        self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_*: name -> on
         self.predict = rules.predict
         if self.kernels["fused_confidence"]:
             from .kernels.triton_confidence import predict
@@ -99,8 +99,6 @@ class Engine:
             loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
-        if cfg.fused_router is None:          # auto: LLaDA2's routing only (the kernel implements it alone)
-            self.kernels["fused_router"] = self.kernels["fused_router"] and self.config.router == "sigmoid_group"
         if self.kernels["fused_router"]:
             self._use_fused_router()
         self.model.use_fused_norm(self.kernels["fused_norm"])
@@ -165,18 +163,11 @@ class Engine:
                "fused_confidence": ("--fused-confidence", "confidence_kernel", "scan_kernel")}
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
-        """Each Triton kernel on or off: as asked (True is checked to run here), or with None, on where it compiles
-        (a CUDA device and Triton)."""
-        from .kernels import triton_support
-
-        auto = self.device.type == "cuda" and triton_support.available()
-        picked = {}
+        """Each Triton kernel on or off, as asked; one that is asked for is checked to run here first."""
         for name, (flag, module, kernel) in self.KERNELS.items():
-            asked = getattr(cfg, name)
-            if asked:
+            if getattr(cfg, name):
                 self._check_triton_runs(flag, module, kernel)
-            picked[name] = auto if asked is None else bool(asked)
-        return picked
+        return {name: bool(getattr(cfg, name)) for name in self.KERNELS}
 
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
         """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on

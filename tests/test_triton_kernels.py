@@ -374,7 +374,7 @@ COMPILE_SM90 = textwrap.dedent("""
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"
     moe_combine = build(moe_combine_kernel,
         {"y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "y_row_stride": "i32", "out_row_stride": "i32",
-         "hidden": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024, "INTERPRETED": False}, 4)
+         "hidden": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}, 4)
     assert moe_combine["cubin"]
 
     # the norms at LLaDA2.0-mini's shapes (hidden 2048; 16 query and 4 KV heads of 128, 64 dims rotated)
@@ -382,7 +382,7 @@ COMPILE_SM90 = textwrap.dedent("""
         norm = build(add_rms_norm_kernel,
             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
              "n_cols": "i32", "x_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "sum_stride": "i32",
-             "eps": "fp32"}, {"BLOCK": 2048, "HAS_RESIDUAL": residual, "INTERPRETED": False}, 4)
+             "eps": "fp32"}, {"BLOCK": 2048, "HAS_RESIDUAL": residual}, 4)
         assert "fma.rn.bf16" not in norm["ptx"] and "mul.bf16" not in norm["ptx"], "torch's roundings, one by one"
     prologue = build(qk_norm_rope_kernel,
         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_stride": "i32", "k_stride": "i32", "v_stride": "i32",
@@ -390,8 +390,7 @@ COMPILE_SM90 = textwrap.dedent("""
          "positions_ptr": "*i64", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
          "q_out_head_stride": "i32", "cache_head_stride": "i32", "cache_pos_stride": "i32", "num_tokens": "i32",
          "eps": "fp32"},
-        {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "ROTARY": 64, "BLOCK_D": 128, "HAS_NORM": True,
-         "INTERPRETED": False}, 1)
+        {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "ROTARY": 64, "BLOCK_D": 128, "HAS_NORM": True}, 1)
     # a bf16 FMA would skip the rounding of RoPE's products (kernel_math.round_to)
     assert "fma.rn.bf16" not in prologue["ptx"] and "mul.bf16" not in prologue["ptx"]
 """)

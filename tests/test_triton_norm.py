@@ -212,15 +212,21 @@ def test_the_benchmarks_norm_case_runs_under_the_interpreter(norm):
         assert record[name]["check"]["ok"] and record[name]["speedup"] == 1.0
 
 
-def test_the_kernels_default_to_torch_on_a_cpu_device_and_follow_the_flags(norm):
-    """EngineConfig.fused_* None (the default): on only with a CUDA device, so a CPU engine runs torch's kernels;
-    True turns a kernel on (here through the interpreter), False off; describe() names those that are on."""
+def test_the_kernels_are_off_by_default_and_follow_the_flags(norm):
+    """EngineConfig.fused_*: off by default (torch's kernels); a True turns its kernel on (here through the
+    interpreter) and describe() names those that are on; the CLI's --fused turns on every one."""
     import oled
+    from oled.cli import build_parser
+    from oled.cli.common import fused_fields
 
-    auto = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
-    assert auto.engine.kernels == dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_confidence"), False)
-    assert "Triton kernels: none" in auto.engine.describe()
-    picked = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", fused_norm=True, fused_router=False)
+    plain = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
+    assert plain.engine.kernels == dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_confidence"), False)
+    assert "Triton kernels: none" in plain.engine.describe()
+    picked = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", fused_norm=True)
     assert picked.engine.kernels["fused_norm"] and not picked.engine.kernels["fused_router"]
     assert all(layer.attn.fused and layer.attn_norm.fused for layer in picked.engine.model.layers)
     assert "Triton kernels: norm" in picked.engine.describe()
+    parse = build_parser()[0].parse_args
+    assert set(fused_fields(parse(["generate", "x", "--fused"])).values()) == {True}
+    assert fused_fields(parse(["generate", "x", "--fused-moe"])) == {
+        "fused_router": False, "fused_moe": True, "fused_norm": False, "fused_confidence": False}

@@ -77,21 +77,23 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    fused = argparse.BooleanOptionalAction
-    g.add_argument("--fused-router", action=fused,
+    # off by default until every policy has run with them on the H200 (BENCHMARKS.md section 16)
+    g.add_argument("--fused-router", action="store_true",
                    help="LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
-                        "gate GEMM: the same ids and weights in fewer launches (default: on with CUDA and Triton, for "
-                        "LLaDA2 checkpoints)")
-    g.add_argument("--fused-moe", action=fused,
+                        "gate GEMM: the same ids and weights in fewer launches (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused-moe", action="store_true",
                    help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
                         "device, gate|up then down, written straight to each pair's row) and their weighted combine, "
-                        "instead of torch's grouped GEMMs (default: on with CUDA and Triton)")
-    g.add_argument("--fused-norm", action=fused,
+                        "instead of torch's grouped GEMMs (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused-norm", action="store_true",
                    help="each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial "
-                        "RoPE, the KV-cache write), as one Triton kernel each (default: on with CUDA and Triton)")
-    g.add_argument("--fused-confidence", action=fused,
+                        "RoPE, the KV-cache write), as one Triton kernel each (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused-confidence", action="store_true",
                    help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
-                        "a softmax over the vocabulary (default: on with CUDA and Triton)")
+                        "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused", action="store_true",
+                   help="every --fused-* kernel above (on the H200 a forward of `full` 2.3 x faster, BENCHMARKS.md "
+                        "section 16)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
@@ -126,8 +128,9 @@ FUSED_FIELDS = ("fused_router", "fused_moe", "fused_norm", "fused_confidence")
 
 
 def fused_fields(args) -> dict:
-    """The Triton kernels' EngineConfig switches from the flags of add_execution_args (`oled bench` passes them on)."""
-    return {name: getattr(args, name) for name in FUSED_FIELDS}
+    """The Triton kernels' EngineConfig switches from the flags of add_execution_args (`oled bench` passes them on):
+    each --fused-* flag, or --fused for all."""
+    return {name: getattr(args, name) or args.fused for name in FUSED_FIELDS}
 
 
 CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_cost_feedback", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us",

@@ -19,13 +19,14 @@ def silu(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, BY_BITS: tl.constexpr):
     """fp32 rounded to `dtype` (to nearest, ties to even) and widened back: where the torch path stores a value in
-    its dtype. bf16 is rounded on the bits (add half an ulp and the parity bit, drop the low half; finite values
-    and infinities), compiled or interpreted: the interpreter's cast truncates whatever rounding mode is asked for,
-    and compiled, a cast pair lets the compiler turn `round(a * b) + round(c)` into one bf16 FMA that skips the
-    product's rounding (seen in qk_norm_rope's PTX: 7.5 % of the outputs off by an ulp or more)."""
-    if dtype == tl.bfloat16:
+    its dtype. BY_BITS rounds bf16 on the bits (add half an ulp and the parity bit, drop the low half; finite values
+    and infinities); otherwise a cast pair. The interpreter needs the bits (its cast truncates, whatever rounding
+    mode is asked for). Compiled, a cast pair lets the compiler turn `round(a * b) + round(c)` into one bf16 FMA
+    that skips the product's rounding (seen in qk_norm_rope's PTX, where 7.5 % of the H200's outputs then differed
+    from torch's), so a kernel that multiplies and then adds rounded values takes the bits there too."""
+    if BY_BITS and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
         return bits.to(tl.float32, bitcast=True)

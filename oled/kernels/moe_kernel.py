@@ -101,7 +101,7 @@ def down_kernel(
 @triton.jit
 def combine_kernel(
     y_ptr, weights_ptr, out_ptr, y_row_stride, out_row_stride, hidden,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Grid (tokens, column tiles): out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32 (weights widened from
     their dtype), in routing order j = 0, 1, ..., rounded to out's dtype."""
@@ -113,4 +113,4 @@ def combine_kernel(
         w = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
         acc += tl.load(y_ptr + (t * TOP_K + j) * y_row_stride + col, mask=here, other=0.0).to(tl.float32) * w
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * out_row_stride + col, round_to(acc, dtype, INTERPRETED).to(dtype), mask=here)
+    tl.store(out_ptr + t * out_row_stride + col, round_to(acc, dtype, True).to(dtype), mask=here)

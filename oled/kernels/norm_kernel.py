@@ -5,8 +5,8 @@ available. The launchers and the semantics are documented there.
 
 Every rounding of the torch reference is reproduced (oled/models/layers.py): its bf16 operations compute in fp32 and
 round once, so each product or sum here is formed in fp32 and cast to the storage dtype where the reference casts.
-Only the mean of squares sums in another order. Under the interpreter (INTERPRETED) bf16 is rounded on the bits, as
-the GPU's cast rounds (kernel_math.round_to).
+Only the mean of squares sums in another order. bf16 is rounded on the bits, compiled and interpreted
+(kernel_math.round_to says why).
 """
 import triton
 import triton.language as tl
@@ -15,18 +15,18 @@ from .kernel_math import round_to
 
 
 @triton.jit
-def _normed(x, w, n_cols, eps, STORE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _normed(x, w, n_cols, eps, STORE: tl.constexpr):
     """weight * (x / rms(x)).to(dtype), the reference's two roundings: x fp32 (already in the storage precision),
     w the weight as loaded; STORE the storage dtype."""
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    return round_to(w.to(tl.float32) * round_to(x * inv, STORE, INTERPRETED), STORE, INTERPRETED).to(STORE)
+    return round_to(w.to(tl.float32) * round_to(x * inv, STORE, True), STORE, True).to(STORE)
 
 
 @triton.jit
 def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     n_cols, x_stride, residual_stride, out_stride, sum_stride, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     """One program a row: sum = residual + x (rounded to x's dtype, as torch's add) when HAS_RESIDUAL, then
     out = weight * rmsnorm(sum) (or of x alone)."""
@@ -36,10 +36,10 @@ def add_rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + col, mask=here, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * residual_stride + col, mask=here, other=0.0)
-        x = round_to(r.to(tl.float32) + x.to(tl.float32), sum_ptr.dtype.element_ty, INTERPRETED)
+        x = round_to(r.to(tl.float32) + x.to(tl.float32), sum_ptr.dtype.element_ty, True)
         tl.store(sum_ptr + row * sum_stride + col, x.to(sum_ptr.dtype.element_ty), mask=here)
     w = tl.load(weight_ptr + col, mask=here, other=0.0)
-    y = _normed(x.to(tl.float32), w, n_cols, eps, out_ptr.dtype.element_ty, INTERPRETED)
+    y = _normed(x.to(tl.float32), w, n_cols, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + col, y, mask=here)
 
 
@@ -50,7 +50,7 @@ def qk_norm_rope_kernel(
     q_out_ptr, k_cache_ptr, v_cache_ptr, q_out_head_stride, cache_head_stride, cache_pos_stride,
     num_tokens, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """Grid (tokens, NUM_HEADS + 2 * NUM_KV_HEADS): program (t, h) takes one head of token t.
 
@@ -82,13 +82,12 @@ def qk_norm_rope_kernel(
             inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
             w = tl.load(w_ptr + d, mask=here, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-            x = round_to(w * round_to(x * inv, STORE, INTERPRETED), STORE, INTERPRETED)
-            xp = round_to(wp * round_to(xp * inv, STORE, INTERPRETED), STORE, INTERPRETED)
+            x = round_to(w * round_to(x * inv, STORE, True), STORE, True)
+            xp = round_to(wp * round_to(xp * inv, STORE, True), STORE, True)
         cos = tl.load(cos_ptr + t * rope_stride + d, mask=rotated, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * rope_stride + d, mask=rotated, other=0.0).to(tl.float32)
         xp = tl.where(d < half, -xp, xp)
-        roped = round_to(round_to(x * cos, STORE, INTERPRETED) + round_to(xp * sin, STORE, INTERPRETED), STORE,
-                         INTERPRETED).to(STORE)
+        roped = round_to(round_to(x * cos, STORE, True) + round_to(xp * sin, STORE, True), STORE, True).to(STORE)
         y = tl.where(rotated, roped, x.to(STORE))
         if is_q:
             tl.store(q_out_ptr + head * q_out_head_stride + t * HEAD_DIM + d, y, mask=here)

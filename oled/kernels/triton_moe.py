@@ -147,7 +147,7 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(hidden), 1024)
         combine_kernel[(T, triton.cdiv(hidden, block))](
             y_pairs, weights, out, y_pairs.stride(0), out.stride(0), hidden, TOP_K=k, BLOCK_H=block,
-            INTERPRETED=interpreted(combine_kernel), num_warps=4)
+            num_warps=4)
     return out
 
 

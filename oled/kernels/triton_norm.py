@@ -46,7 +46,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         kernel[(rows,)](x, x if residual is None else residual, weight, out, total,
                         cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
                         total.stride(0), float(eps), BLOCK=triton.next_power_of_2(cols),
-                        HAS_RESIDUAL=residual is not None, INTERPRETED=interpreted(kernel),
+                        HAS_RESIDUAL=residual is not None,
                         num_warps=1 if interpreted(kernel) else _warps(cols))
     return out, total
 
@@ -88,7 +88,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
             q_weight if has_norm else q, k_weight if has_norm else q, positions,
             out, k_cache, v_cache, out.stride(0), k_cache.stride(0), k_cache.stride(1),
             tokens, float(eps), NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROTARY=rotary,
-            BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, INTERPRETED=interpreted(kernel), num_warps=1)
+            BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, num_warps=1)
     return out
 
 
