@@ -10,13 +10,13 @@
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
 #          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
-#   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with the default Triton kernels and with torch's (FUSED_PLAIN,
-#          default every --no-fused-* flag), back to back
+#   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with torch's kernels and with FUSED_FLAG (default --fused:
+#          every Triton kernel), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
 #          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given)
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
-#          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with torch's kernels)
+#          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with the Triton kernels)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -41,8 +41,6 @@ pack() { tar czf "$OUT/results-${STAGES// /-}.tgz" -C $OUT res; ls -la $OUT; }
 # packing still brings them back (a finished 41-run grid was lost that way)
 keep() { for d in "$@"; do [ -f "$R/$d/results.jsonl" ] && cp "$R/$d/results.jsonl" "$OUT/$d-results.jsonl"; done; }
 GRAPHS=${GRAPHS:-}
-# torch's kernels everywhere instead of the Triton ones the engine uses by default on CUDA
-PLAIN="--no-fused-router --no-fused-moe --no-fused-norm --no-fused-confidence"
 # every baseline, the planner's own (no credit), OLED and its ablations; `oled bench` adds the belady bound rows
 ALL_POLICIES=full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative,oled,oled-retain,oled-coop
 if has smoke; then
@@ -121,7 +119,7 @@ if has kernels; then
 fi
 if has fused; then
   for mode in ${FUSED_MODES:-plain fused}; do
-    flag=""; [ $mode = plain ] && flag=${FUSED_PLAIN:-$PLAIN}
+    flag=""; [ $mode = fused ] && flag=${FUSED_FLAG:---fused}
     timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets ${FUSED_BUDGETS:-1.0,0.4} \
       --policies ${FUSED_POLICIES:-full,lru} --no-bound $flag --out $R/fused-$mode > $R/fused-$mode.log 2>&1
     echo "fused stage ($mode) rc=$?"; keep fused-$mode
@@ -136,9 +134,10 @@ for d in filter(os.path.isdir, sys.argv[1:]):
 PY
 fi
 if has overhead; then
-  # OVERHEAD_MODES: "fused" (the default kernels) and/or "plain" (torch's kernels, the flags of $PLAIN), one JSON each
-  for mode in ${OVERHEAD_MODES:-fused}; do
-    flags=""; [ $mode = plain ] && flags=$PLAIN
+  # OVERHEAD_MODES: "plain" (the default, torch's kernels) and/or "fused" (OVERHEAD_FUSED, default --fused: every
+  # Triton kernel), one JSON each
+  for mode in ${OVERHEAD_MODES:-plain}; do
+    flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused}
     timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
       --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \
       --out $R/offload_overhead-$mode.json > $R/overhead-$mode.log 2>&1; echo "overhead ($mode) rc=$?"
