@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 benchmarks in stages, each under its own time limit so one slow stage cannot take the others' results with it:
-#   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind
+#   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind (SMOKE_ARGS=fused:
+#          with every Triton kernel)
 #   wake   A/B of the CPU workers' wake modes (--cpu-wake layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
 #   grid   the default policy grid on llada2-mini shapes, one `oled bench` command: every baseline, oled and its
@@ -23,6 +24,7 @@
 #          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
+# GRID_FLAGS adds engine flags to every `oled bench` of the call (e.g. --fused: every Triton kernel).
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
 # finds segmented graphs of offloaded forwards changing tokens, with --no-offload-graphs. GRAPHS=... overrides.
 # Results: $OUT/results-<stages>.tgz, each bench stage's result lines as $OUT/<folder>-results.jsonl, and the tails
@@ -44,13 +46,14 @@ GRAPHS=${GRAPHS:-}
 # every baseline, the planner's own (no credit), OLED and its ablations; `oled bench` adds the belady bound rows
 ALL_POLICIES=full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative,oled,oled-retain,oled-coop
 if has smoke; then
-  timeout ${SMOKE_S:-150} python3 benchmarks/h200_smoke.py 4 > $R/smoke.log 2>&1; rc=$?; echo "smoke rc=$rc"
+  timeout ${SMOKE_S:-150} python3 benchmarks/h200_smoke.py 4 llada2-mini ${SMOKE_ARGS:-} > $R/smoke.log 2>&1; rc=$?
+  echo "smoke rc=$rc"
   tail -30 $R/smoke.log
   [ $rc -eq 2 ] && GRAPHS=--no-cuda-graphs
   [ $rc -eq 3 ] && GRAPHS=--no-offload-graphs
 fi
 GRID="--random-weights llada2-mini --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} --workload code --prompts 1 --gen-length 256
-      --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS"
+      --block-length 32 --threshold 0.95 --repeats 3 --no-progress $GRAPHS ${GRID_FLAGS:-}"
 if has wake; then
   best=""; best_ms=""
   for mode in ${WAKE_MODES:-layer forward off}; do

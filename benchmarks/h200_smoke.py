@@ -2,7 +2,8 @@
 forwards' tokens, every policy kind runs (GPU-only policies must agree with `full` token for token), and segmented
 graphs of offloaded forwards give the tokens of the same policy run eagerly.
 
-    python benchmarks/h200_smoke.py [LAYERS] [PRESET] [quick]
+    python benchmarks/h200_smoke.py [LAYERS] [PRESET] [quick] [fused]
+`fused`: with every Triton kernel (the engine's --fused).
 Exit status: 0 all good; 2 graph replays of `full` changed tokens (run later stages with --no-cuda-graphs); 1 a policy
 failed; 3 segmented graphs of offloaded forwards changed tokens (run with --no-offload-graphs).
 """
@@ -14,10 +15,12 @@ import oled
 
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 preset = sys.argv[2] if len(sys.argv) > 2 else "llada2-mini"
-QUICK = len(sys.argv) > 3 and sys.argv[3] == "quick"   # graphs only: full, and lru with segmented graphs
+QUICK = "quick" in sys.argv[3:]             # graphs only: full, and lru with segmented graphs
+FUSED = dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"),
+                      "fused" in sys.argv[3:])
 PROMPT, GEN = "def quicksort(items):", 64 if QUICK else 128
 t = time.time()
-llm = oled.LLM(random_weights=preset, layers=layers, policy="full")
+llm = oled.LLM(random_weights=preset, layers=layers, policy="full", **FUSED)
 print(f"built in {time.time() - t:.1f}s: {llm.engine.describe()}", flush=True)
 
 

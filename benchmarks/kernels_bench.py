@@ -340,6 +340,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     positions = torch.arange(100, 100 + tokens, device=device)
     cos, sin = rope_cos_sin(positions, ROTARY, 600000.0, bf)
+    tables = rope_cos_sin(torch.arange(4096, device=device), ROTARY, 600000.0, bf)     # what the model keeps
     caches = [torch.zeros(KV_HEADS, 4096, HEAD_DIM, device=device, dtype=bf) for _ in range(4)]
     y_pairs, weights = rand(tokens * 8, hidden).to(bf), torch.rand(tokens, 8, device=device, generator=g)
 
@@ -355,7 +356,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
         return qh.transpose(0, 1)
 
     def prologue(k_cache, v_cache):
-        return qk_norm_rope(q, k, v, cos, sin, qk_norms[0].weight, qk_norms[1].weight, 1e-6, positions, k_cache,
+        return qk_norm_rope(q, k, v, *tables, qk_norms[0].weight, qk_norms[1].weight, 1e-6, positions, k_cache,
                             v_cache)
 
     combine_ref = lambda y, w: ExpertManager.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731

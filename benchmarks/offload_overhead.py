@@ -6,7 +6,7 @@ steps) and around whole forwards, then one generate under torch.profiler for GPU
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused | --fused-router --fused-moe --fused-norm --fused-confidence]
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused | --fused-router --fused-moe --fused-norm --fused-mlp --fused-confidence]
         [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
-    for kernel in ("router", "moe", "norm", "confidence"):
+    for kernel in ("router", "moe", "norm", "mlp", "confidence"):
         ap.add_argument(f"--fused-{kernel}", action="store_true", help=f"the engine's --fused-{kernel}")
     ap.add_argument("--fused", action="store_true", help="every --fused-* kernel (the engine's --fused)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
@@ -112,7 +112,7 @@ def main():
     args = ap.parse_args()
     engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0",
                                  **{f"fused_{k}": getattr(args, f"fused_{k}") or args.fused
-                                    for k in ("router", "moe", "norm", "confidence")}))
+                                    for k in ("router", "moe", "norm", "mlp", "confidence")}))
     hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")

@@ -47,6 +47,7 @@ class EngineConfig:
     fused_moe: bool = False               # the routed experts over the slot pool and their weighted combine
     fused_norm: bool = False              # each RMSNorm with its residual add; the attention prologue (QK-norm,
                                           # RoPE, the KV-cache write)
+    fused_mlp: bool = False               # the dense MLPs and shared experts: gate|up as one GEMM, SiLU * up fused
     fused_confidence: bool = False        # greedy x0 and its probability from the LM head's logits in one pass
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 

@@ -102,6 +102,8 @@ class Engine:
         if self.kernels["fused_router"]:
             self._use_fused_router()
         self.model.use_fused_norm(self.kernels["fused_norm"])
+        if self.kernels["fused_mlp"]:
+            self.model.use_fused_mlp()
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
         self.graphs: ForwardGraphs | None = None
@@ -160,6 +162,7 @@ class Engine:
     KERNELS = {"fused_router": ("--fused-router", "router_kernel", "sigmoid_group_route_kernel"),
                "fused_moe": ("--fused-moe", "moe_kernel", "gate_up_kernel"),
                "fused_norm": ("--fused-norm", "norm_kernel", "add_rms_norm_kernel"),
+               "fused_mlp": ("--fused-mlp", "mlp_kernel", "silu_mul_kernel"),
                "fused_confidence": ("--fused-confidence", "confidence_kernel", "scan_kernel")}
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
@@ -190,7 +193,7 @@ class Engine:
             raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {self.model_name} routes "
                              f"with {self.config.router}")
         for block in self.model.moe_blocks():
-            block.fused_router = True
+            block.use_fused_router()
 
     def set_routing_source(self, source) -> None:
         """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router). Captured graphs

@@ -250,9 +250,9 @@ def test_prefetch_predicts_with_the_next_layers_router(preset):
     run, decide = m.run, pol.decide
     predictor_calls = []
 
-    def spy_run(layer, x, ids, w):
+    def spy_run(layer, x, ids, w, shared=None):
         log.append(("run", layer, x.detach().clone()))
-        return run(layer, x, ids, w)
+        return run(layer, x, ids, w, shared)
 
     def spy_decide(event):
         # everything prefetched for this layer (the top-capacity prediction) is resident when it runs

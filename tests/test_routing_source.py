@@ -93,7 +93,8 @@ def test_layers_receive_the_recorded_routing_and_the_loop_commits_the_recorded_t
     manager = player.manager
     seen, events = [], []
     run, on_iteration = manager.run, manager.on_iteration
-    manager.run = lambda layer, x, ids, w: seen.append((layer, ids.clone(), w.clone())) or run(layer, x, ids, w)
+    manager.run = lambda layer, x, ids, w, shared=None: (seen.append((layer, ids.clone(), w.clone()))
+                                                         or run(layer, x, ids, w, shared))
     manager.on_iteration = lambda ev: events.append(ev) or on_iteration(ev)
     source = TraceSource(trace, player.config, player.device)
     player.set_routing_source(source)

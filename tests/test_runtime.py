@@ -59,8 +59,8 @@ class BudgetWatch:
             self.check()
             return slot
 
-        def checked_run(layer, x, ids, weights):
-            y = run(layer, x, ids, weights)
+        def checked_run(layer, x, ids, weights, shared=None):
+            y = run(layer, x, ids, weights, shared)
             self.check()
             if manager.stats.records and manager.stats.records[-1].layer == layer:
                 rec = manager.stats.records[-1]

@@ -349,12 +349,13 @@ COMPILE_SM90 = textwrap.dedent("""
     assert combine["cubin"]
 
     # the fused MoE at LLaDA2.0-mini's shapes with the launcher's default tiles (oled/kernels/triton_moe.py)
-    align = build(align_pairs_kernel,
-        {"pair_slots_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32", "cursor_ptr": "*i32",
-         "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "num_blocks": "i32"},
-        {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 256, "BLOCK_FILL": 1024}, 4)
-    # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
-    assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
+    for lookup in (False, True):
+        align = build(align_pairs_kernel,
+            {"pair_slots_ptr": "*i64", "slot_map_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32",
+             "cursor_ptr": "*i32", "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "num_blocks": "i32"},
+            {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 256, "BLOCK_FILL": 1024, "LOOKUP": lookup}, 4)
+        # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
+        assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
     blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32"}
     for dtype in ("bf16", "fp32"):
@@ -372,17 +373,24 @@ COMPILE_SM90 = textwrap.dedent("""
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
             assert "tf32" not in asm["ptx"]
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"
-    moe_combine = build(moe_combine_kernel,
-        {"y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "y_row_stride": "i32", "out_row_stride": "i32",
-         "hidden": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}, 4)
-    assert moe_combine["cubin"]
+    for add in (False, True):
+        moe_combine = build(moe_combine_kernel,
+            {"y_ptr": "*bf16", "weights_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16", "y_row_stride": "i32",
+             "add_row_stride": "i32", "out_row_stride": "i32", "hidden": "i32"},
+            {"TOP_K": 8, "BLOCK_H": 1024, "HAS_ADD": add}, 4)
+        assert "fma.rn.bf16" not in moe_combine["ptx"] and "add.rn.bf16" not in moe_combine["ptx"]
+    from oled.kernels.mlp_kernel import silu_mul_kernel
+    silu_mul = build(silu_mul_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "h_row_stride": "i32",
+                                       "out_row_stride": "i32", "inter": "i32"},
+                     {"BLOCK": 512, "INTERPRETED": False}, 4)
+    assert "div.rn.f32" in silu_mul["ptx"] and "mul.bf16" not in silu_mul["ptx"], "silu and product as torch's"
 
     # the norms at LLaDA2.0-mini's shapes (hidden 2048; 16 query and 4 KV heads of 128, 64 dims rotated)
     for residual in (False, True):
         norm = build(add_rms_norm_kernel,
             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
-             "n_cols": "i32", "x_stride": "i32", "residual_stride": "i32", "out_stride": "i32", "sum_stride": "i32",
-             "eps": "fp32"}, {"BLOCK": 2048, "HAS_RESIDUAL": residual}, 4)
+             "num_rows": "i32", "n_cols": "i32", "x_stride": "i32", "residual_stride": "i32", "out_stride": "i32",
+             "sum_stride": "i32", "eps": "fp32"}, {"BLOCK_R": 1, "BLOCK": 2048, "HAS_RESIDUAL": residual}, 4)
         assert "fma.rn.bf16" not in norm["ptx"] and "mul.bf16" not in norm["ptx"], "torch's roundings, one by one"
     prologue = build(qk_norm_rope_kernel,
         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_stride": "i32", "k_stride": "i32", "v_stride": "i32",
@@ -390,7 +398,8 @@ COMPILE_SM90 = textwrap.dedent("""
          "positions_ptr": "*i64", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
          "q_out_head_stride": "i32", "cache_head_stride": "i32", "cache_pos_stride": "i32", "num_tokens": "i32",
          "eps": "fp32"},
-        {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "ROTARY": 64, "BLOCK_D": 128, "HAS_NORM": True}, 1)
+        {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "ROTARY": 64, "BLOCK_T": 1, "BLOCK_D": 128,
+         "HAS_NORM": True}, 1)
     # a bf16 FMA would skip the rounding of RoPE's products (kernel_math.round_to)
     assert "fma.rn.bf16" not in prologue["ptx"] and "mul.bf16" not in prologue["ptx"]
 """)

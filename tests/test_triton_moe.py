@@ -134,6 +134,27 @@ def test_the_alignment_layout(moe, pairs, slots, base, block_m):
     assert (block_slots[row // block_m:] == -1).all()
 
 
+def test_looking_the_slots_up_in_a_slot_map_equals_passing_them(moe):
+    """slot_map: pair_slots holds expert ids and the alignment looks each slot up (the manager's device slot map
+    row, -1 for an expert not resident): the same outputs, bit for bit, as slots looked up before the call, and the
+    same layout."""
+    tokens, k, experts, slots, hidden, inter = 6, 4, 12, 5, 32, 16
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+    slot_map = torch.full((experts,), -1, dtype=torch.int64)
+    resident = torch.randperm(experts, generator=g)[:slots]
+    slot_map[resident] = torch.arange(slots) + 2                                   # a layer starting at slot 2
+    pool, x = expert_pool(slots, hidden, inter), inputs(tokens, hidden)
+    looked_up = fused(moe, x, ids, pool, hidden, inter, slot_base=2, slot_map=slot_map)
+    given = fused(moe, x, slot_map.index_select(0, ids), pool, hidden, inter, slot_base=2)
+    assert torch.equal(looked_up, given)
+    assert (looked_up[slot_map[ids] < 0] == SENTINEL).all() and (looked_up[slot_map[ids] >= 0] != SENTINEL).any()
+    (pairs_a, blocks_a), (pairs_b, blocks_b) = (moe.module.align_pairs(ids, slots, 2, 16, slot_map),
+                                                moe.module.align_pairs(slot_map.index_select(0, ids), slots, 2, 16))
+    used = int((blocks_a >= 0).sum()) * 16               # rows past the used blocks are never written
+    assert torch.equal(blocks_a, blocks_b) and torch.equal(pairs_a[:used], pairs_b[:used])
+
+
 def test_a_slice_of_a_larger_pool_with_slot_base(moe):
     """The manager's call: one layer's slots sliced from the whole pool, global slot numbers; slots outside the
     slice are skipped (their rows untouched) rather than read."""
@@ -334,20 +355,24 @@ def test_fused_moe_in_the_engine_gives_the_same_tokens(moe, monkeypatch, policy,
 @pytest.mark.parametrize("tokens,k,hidden", [(1, 1, 64), (5, 4, 96), (9, 8, 1536)])     # 1536: two column tiles
 def test_combine_equals_the_managers_torch_combine(moe, dtype, weights_dtype, tokens, k, hidden):
     """combine_pairs: the weighted sum of each token's pairs, as ExpertManager.combine computes it in torch (fp32
-    sums in routing order, one rounding); bf16 weights (LLaDA-MoE's) are widened as torch widens them."""
+    sums in routing order, one rounding), with and without the shared expert's output added (a second rounding);
+    bf16 weights (LLaDA-MoE's) are widened as torch widens them."""
     from oled.runtime.manager import ExpertManager
 
     g = torch.Generator().manual_seed(tokens * hidden + k)
     y = torch.randn(tokens * k, hidden, generator=g).to(dtype)
     weights = torch.rand(tokens, k, generator=g).to(weights_dtype)
-    ref = ExpertManager.combine(SimpleNamespace(fused_combine=None), y, weights)
-    got = moe.module.combine_pairs(y, weights)
-    assert got.dtype == dtype and got.shape == (tokens, hidden)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    else:       # the fp32 sum's order may differ from torch's reduction, by an fp32 ulp: rarely a bf16 ulp
-        assert (got != ref).float().mean().item() < 0.01
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=0)
+    shared_out = torch.randn(tokens, hidden, generator=g).to(dtype)
+    manager = SimpleNamespace(fused_combine=None)
+    for add in (None, shared_out):
+        ref = ExpertManager.combine(manager, y, weights, add)
+        got = moe.module.combine_pairs(y, weights, add)
+        assert got.dtype == dtype and got.shape == (tokens, hidden)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        else:       # the fp32 sum's order may differ from torch's reduction, by an fp32 ulp: rarely a bf16 ulp
+            assert (got != ref).float().mean().item() < 0.01
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
 
 
 def test_combine_refuses_mismatched_shapes(moe):

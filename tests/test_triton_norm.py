@@ -16,11 +16,12 @@ triton = import_triton_for_the_interpreter()
 
 @pytest.fixture(scope="module")
 def norm():
-    mp = interpreted_kernels("kernel_math", "norm_kernel")
-    from oled.kernels import norm_kernel, triton_norm, triton_support
+    mp = interpreted_kernels("kernel_math", "norm_kernel", "mlp_kernel")
+    from oled.kernels import norm_kernel, triton_mlp, triton_norm, triton_support
 
     assert triton_support.interpreted(norm_kernel.add_rms_norm_kernel)
-    yield SimpleNamespace(add_rms_norm=triton_norm.add_rms_norm, qk_norm_rope=triton_norm.qk_norm_rope)
+    yield SimpleNamespace(add_rms_norm=triton_norm.add_rms_norm, qk_norm_rope=triton_norm.qk_norm_rope,
+                          silu_mul=triton_mlp.silu_mul)
     mp.undo()
 
 
@@ -106,7 +107,8 @@ def test_qk_norm_rope_equals_the_attention_prologue(norm, dtype, heads, kv_heads
     with torch.no_grad():
         ref_q = _attention_reference(q, k, v, cos, sin, q_norm, k_norm, positions, ref_k, ref_v, heads,
                                      kv_heads, d)
-    out = norm.qk_norm_rope(q, k, v, cos, sin, q_norm.weight.data if qk_norm else None,
+    tables = rope_cos_sin(torch.arange(max_len), rotary, 600000.0, dtype)      # what the model keeps
+    out = norm.qk_norm_rope(q, k, v, *tables, q_norm.weight.data if qk_norm else None,
                             k_norm.weight.data if qk_norm else None, 1e-6, positions, k_cache, v_cache)
     assert out.shape == (heads, T, d) and out.is_contiguous()
     assert torch.equal(v_cache, ref_v)                       # values are copied, every other cache row untouched
@@ -142,15 +144,17 @@ def test_fused_norm_in_the_engine_gives_the_same_tokens(norm, monkeypatch, prese
     from oled.kernels import triton_norm
 
     calls = []
-    for name in ("add_rms_norm", "qk_norm_rope"):
-        inner = getattr(triton_norm, name)
-        monkeypatch.setattr(triton_norm, name, lambda *a, _inner=inner, _name=name, **kw:
+    from oled.kernels import triton_mlp
+
+    for module, name in ((triton_norm, "add_rms_norm"), (triton_norm, "qk_norm_rope"), (triton_mlp, "silu_mul")):
+        inner = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _inner=inner, _name=name, **kw:
                             calls.append(_name) or _inner(*a, **kw))
     tokens = {}
     for fused in (False, True):
         calls.clear()
         llm = oled.LLM(random_weights=preset, device="cpu", dtype="float32", policy=policy, expert_budget=budget,
-                       fused_norm=fused)
+                       fused_norm=fused, fused_mlp=fused)
         ids = llm.tokenizer.encode("def fib(n):\n")
         res = llm.engine.generate_ids(ids, DecodeParams(gen_length=16, block_length=16))
         tokens[fused] = res.token_ids
@@ -159,6 +163,8 @@ def test_fused_norm_in_the_engine_gives_the_same_tokens(norm, monkeypatch, prese
         # per forward: two norms a layer and the final one; one prologue a layer
         assert calls.count("add_rms_norm") == (forwards * (2 * layers + 1) if fused else 0)
         assert calls.count("qk_norm_rope") == (forwards * layers if fused else 0)
+        mlps = sum(1 for layer in llm.engine.model.layers if not hasattr(layer.mlp, "experts") or layer.mlp.shared)
+        assert calls.count("silu_mul") == (forwards * mlps if fused else 0)
     assert tokens[True] == tokens[False] and len(tokens[True]) == 16
 
 
@@ -220,7 +226,8 @@ def test_the_kernels_are_off_by_default_and_follow_the_flags(norm):
     from oled.cli.common import fused_fields
 
     plain = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
-    assert plain.engine.kernels == dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_confidence"), False)
+    assert plain.engine.kernels == dict.fromkeys(
+        ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"), False)
     assert "Triton kernels: none" in plain.engine.describe()
     picked = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", fused_norm=True)
     assert picked.engine.kernels["fused_norm"] and not picked.engine.kernels["fused_router"]
@@ -229,4 +236,38 @@ def test_the_kernels_are_off_by_default_and_follow_the_flags(norm):
     parse = build_parser()[0].parse_args
     assert set(fused_fields(parse(["generate", "x", "--fused"])).values()) == {True}
     assert fused_fields(parse(["generate", "x", "--fused-moe"])) == {
-        "fused_router": False, "fused_moe": True, "fused_norm": False, "fused_confidence": False}
+        "fused_router": False, "fused_moe": True, "fused_norm": False, "fused_mlp": False, "fused_confidence": False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 16), (7, 48), (5, 1536)])        # 1536: two column tiles
+def test_silu_mul_equals_torchs_silu_times_up(norm, dtype, rows, inter):
+    """silu_mul: SiLU of the gate half times the up half, rounded where torch rounds (the SiLU, then the
+    product); the interpreter's exp and division differ from torch's CPU SiLU in the last fp32 bit, which moves a
+    bf16 result rarely."""
+    h = (3 * torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows + inter))).to(dtype)
+    want = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    got = norm.silu_mul(h)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    if dtype == torch.bfloat16:         # in fp32 every element may sit an fp32 ulp away: checked by the closeness
+        assert _last_bit_share(got, want) < 0.01
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 2**-7,
+                               atol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_a_fused_swiglu_keeps_its_weights_once_and_its_outputs(norm):
+    """SwiGLU.use_fused: gate and up become views of one stacked weight (no weight held twice) and the output
+    is the torch path's (fp32)."""
+    from oled.models.layers import SwiGLU
+
+    torch.manual_seed(0)
+    mlp = SwiGLU(32, 48)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.use_fused()
+        got = mlp(x)
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[48:].data_ptr()
+    assert sum(p.numel() for p in mlp.parameters()) == 3 * 32 * 48
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -88,6 +88,9 @@ def add_execution_args(g) -> None:
     g.add_argument("--fused-norm", action="store_true",
                    help="each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial "
                         "RoPE, the KV-cache write), as one Triton kernel each (needs Triton and CUDA; default: off)")
+    g.add_argument("--fused-mlp", action="store_true",
+                   help="the dense MLPs and the shared experts with gate and up as one GEMM and SiLU * up as one "
+                        "Triton kernel (needs Triton and CUDA; default: off)")
     g.add_argument("--fused-confidence", action="store_true",
                    help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
                         "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
@@ -124,7 +127,7 @@ def engine_config(args) -> EngineConfig:
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 
-FUSED_FIELDS = ("fused_router", "fused_moe", "fused_norm", "fused_confidence")
+FUSED_FIELDS = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence")
 
 
 def fused_fields(args) -> dict:

@@ -239,13 +239,15 @@ class _Forward:
         seg.replay()
 
     def boundary(self, manager):
-        def host_steps(layer, x, ids, weights):
+        def host_steps(layer, x, ids, weights, shared=None):
             # The segment so far issues this layer's routing read-back and computes its hits; it is captured and
             # replayed, so the host step sees real values. The decisions run eagerly (their slot buffer is
             # allocated outside any capture, so no segment's memory pool owns it); the first wave's loads are a
             # segment of their own (captured even when this forward loads nothing: a later replay may); the finish
-            # runs eagerly on the pair outputs; the combine opens the next segment.
+            # runs eagerly on the pair outputs; the combine opens the next segment. The shared expert is in the first
+            # segment, behind the hits: the GPU computes it while the host decides.
             y_pairs = manager.begin_offloaded(layer, x, ids, weights)
+            shared_out = shared(x) if shared is not None else None
             self.end_segment()
             decide = self.steps[-1] = _Decide(layer, x, ids)
             if not decide.run(manager):
@@ -256,7 +258,7 @@ class _Forward:
             finish = self.steps[-1] = _Finish(decide, y_pairs)
             finish.run(manager)
             self.begin_segment()
-            return manager.combine(y_pairs, weights)
+            return manager.combine(y_pairs, weights, shared_out)
         return host_steps
 
     @torch.inference_mode()

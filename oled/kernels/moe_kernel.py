@@ -100,11 +100,12 @@ def down_kernel(
 
 @triton.jit
 def combine_kernel(
-    y_ptr, weights_ptr, out_ptr, y_row_stride, out_row_stride, hidden,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    y_ptr, weights_ptr, add_ptr, out_ptr, y_row_stride, add_row_stride, out_row_stride, hidden,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     """Grid (tokens, column tiles): out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32 (weights widened from
-    their dtype), in routing order j = 0, 1, ..., rounded to out's dtype."""
+    their dtype), in routing order j = 0, 1, ..., rounded to out's dtype; with HAS_ADD, + add[t] (the shared
+    expert's output) and rounded again, as torch's add of the two."""
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     here = col < hidden
@@ -113,4 +114,8 @@ def combine_kernel(
         w = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
         acc += tl.load(y_ptr + (t * TOP_K + j) * y_row_stride + col, mask=here, other=0.0).to(tl.float32) * w
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * out_row_stride + col, round_to(acc, dtype, True).to(dtype), mask=here)
+    acc = round_to(acc, dtype, True)
+    if HAS_ADD:
+        extra = tl.load(add_ptr + t * add_row_stride + col, mask=here, other=0.0).to(tl.float32)
+        acc = round_to(acc + extra, dtype, True)
+    tl.store(out_ptr + t * out_row_stride + col, acc.to(dtype), mask=here)

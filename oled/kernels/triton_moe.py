@@ -91,7 +91,7 @@ def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
 
 def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor, hidden: int,
                        intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
-                       tiles: MoeTiles = DEFAULT_TILES) -> None:
+                       tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -99,7 +99,9 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     is skipped as well); pool [S, 3 * I * H] (rows contiguous, any row stride); out [T * k, H] (rows
     contiguous, any row stride), written in place. x, pool and out share a dtype (fp32, bf16 or fp16) and a
     device. Raises ValueError for anything else. Three launches (see the module docstring), none when there are
-    no pairs or no slots.
+    no pairs or no slots. With slot_map ([E] int64, the device slot map's row of the layer: expert -> slot or -1),
+    pair_slots holds each pair's expert id instead, and the alignment looks the slot up (what index_select made
+    before the call, one launch fewer).
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
@@ -110,7 +112,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
         return
     top_k = pair_slots.shape[0] // x.shape[0]
     block_m = tiles.block_m
-    sorted_pairs, block_slots = align_pairs(pair_slots, num_slots, slot_base, block_m)
+    sorted_pairs, block_slots = align_pairs(pair_slots, num_slots, slot_base, block_m, slot_map)
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
@@ -125,11 +127,11 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
 
 
-def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The MoE layer's routed output in one launch: out[t] = sum_j weights[t, j] * y_pairs[t * k + j] (fp32, routing
-    order, rounded to y's dtype). y_pairs [T * k, H], weights [T, k] (fp32, or the model dtype for LLaDA-MoE)
-    -> [T, H]. The torch path
-    (ExpertManager.combine) is four launches: the widening, the product, the sum, the cast back."""
+def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer's output in one launch: out[t] = sum_j weights[t, j] * y_pairs[t * k + j] (fp32, routing order,
+    rounded to y's dtype), + add[t] when given (the shared expert's output, a second rounding as torch's add).
+    y_pairs [T * k, H], weights [T, k] (fp32, or the model dtype for LLaDA-MoE), add [T, H] -> [T, H]. The torch
+    path (ExpertManager.combine) is five launches: the widening, the product, the sum, the cast back, the add."""
     import triton
 
     from .moe_kernel import combine_kernel
@@ -139,22 +141,28 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"y_pairs must be [T * k, H] and weights [T, k] float, got {tuple(y_pairs.shape)} and "
                          f"{tuple(weights.shape)} {weights.dtype}")
     hidden = y_pairs.shape[1]
+    if add is not None and (add.shape != (T, hidden) or add.dtype != y_pairs.dtype):
+        raise ValueError(f"add must be [{T}, {hidden}] {y_pairs.dtype}, got {tuple(add.shape)} {add.dtype}")
     y_pairs = y_pairs if y_pairs.stride(-1) == 1 else y_pairs.contiguous()
     weights = weights.contiguous()
-    check_device(combine_kernel, y_pairs, weights)
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
+    check_device(combine_kernel, y_pairs, weights, *([add] if add is not None else []))
     out = torch.empty(T, hidden, dtype=y_pairs.dtype, device=y_pairs.device)
     if T:
         block = min(triton.next_power_of_2(hidden), 1024)
         combine_kernel[(T, triton.cdiv(hidden, block))](
-            y_pairs, weights, out, y_pairs.stride(0), out.stride(0), hidden, TOP_K=k, BLOCK_H=block,
-            num_warps=4)
+            y_pairs, weights, y_pairs if add is None else add, out, y_pairs.stride(0),
+            0 if add is None else add.stride(0), out.stride(0), hidden, TOP_K=k, BLOCK_H=block,
+            HAS_ADD=add is not None, num_warps=4)
     return out
 
 
-def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int,
-                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch 1: pair_slots [P] int64 (contiguous, P > 0) -> (sorted_pairs [padded_rows] int32, block_slots
-    [padded_rows / block_m] int32), as oled/kernels/moe_align_kernel.py lays them out."""
+def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
+                slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
+    -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
+    oled/kernels/moe_align_kernel.py lays them out."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -166,10 +174,13 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int,
     block_s = triton.next_power_of_2(num_slots)
     cursor = torch.empty(block_s, dtype=torch.int32, device=device)
     # a decode call's pairs (T * k of a few hundred) in one pass: 1,024 pairs over 4 warps
+    if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype != torch.int64 or slot_map.stride(0) != 1):
+        raise ValueError(f"slot_map must be a contiguous [E] int64 row, got {tuple(slot_map.shape)} {slot_map.dtype}")
     align_pairs_kernel[(1,)](
-        pair_slots, sorted_pairs, block_slots, cursor, num_pairs, num_slots, slot_base, block_slots.shape[0],
+        pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor, num_pairs,
+        num_slots, slot_base, block_slots.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
-        BLOCK_FILL=1024,
+        BLOCK_FILL=1024, LOOKUP=slot_map is not None,
         num_warps=4)
     return sorted_pairs, block_slots
 

@@ -27,7 +27,9 @@ class Attention(nn.Module):
         self.fused = False      # the prologue (QK-norm, RoPE, cache write) as one Triton launch (set by the model)
 
     def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, mask):
-        """x [T, H] at `positions` (a device tensor [T]); k_cache/v_cache [kv_heads, max_len, head_dim] of this layer.
+        """x [T, H] at `positions` (a device tensor [T]); cos/sin: the chunk's RoPE rows [T, rotary] (torch path)
+        or the tables over every position (fused, self.fused); k_cache/v_cache [kv_heads, max_len, head_dim] of this
+        layer.
 
         Writes this chunk's K/V at its positions and attends over cache[:key_len] under `mask` (boolean, [T, key_len]
         or [1, key_len]), which hides the padding past the chunk's last visible key: nothing here depends on where

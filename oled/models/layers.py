@@ -39,8 +39,24 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = None         # [gate; up] stacked, with the fused kernel (use_fused)
+
+    def use_fused(self) -> None:
+        """Compute gate and up as one GEMM and SiLU * up as one Triton launch (oled/kernels/triton_mlp.py). The
+        stacked weight is made once; gate_proj and up_proj become views of it, so no weight is held twice."""
+        if self.gate_up is None:
+            with torch.no_grad():
+                stacked = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            inter = self.gate_proj.weight.shape[0]
+            self.gate_proj.weight = nn.Parameter(stacked[:inter], requires_grad=False)
+            self.up_proj.weight = nn.Parameter(stacked[inter:], requires_grad=False)
+            self.gate_up = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            from ..kernels.triton_mlp import silu_mul
+
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -54,16 +54,31 @@ class MoEDiffusionLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_tables = None         # (cos, sin) over every position, with the fused norms (use_fused_norm)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
+    def use_fused_mlp(self) -> None:
+        """Every SwiGLU MLP (the dense layers, the shared experts) with gate and up in one GEMM and SiLU * up in one
+        Triton launch (layers.SwiGLU.use_fused)."""
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.use_fused()
+
     def use_fused_norm(self, on: bool) -> None:
         """Every RMSNorm with its residual add, and every attention prologue (QK-norm, RoPE, the cache write), as
-        Triton kernels (oled/kernels/triton_norm.py) or as the torch code."""
+        Triton kernels (oled/kernels/triton_norm.py) or as the torch code. The kernels read RoPE's cos and sin from
+        tables over every position, made here once with the weights' dtype and device (the per-forward values,
+        element for element)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
                 module.fused = on
+        self.rope_tables = None
+        if on:
+            c, w = self.config, self.embed.weight
+            self.rope_tables = rope_cos_sin(torch.arange(c.max_position_embeddings, device=w.device), c.rotary_dim,
+                                            c.rope_theta, w.dtype)
 
     def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
                        block_length: int) -> torch.Tensor:
@@ -96,7 +111,10 @@ class MoEDiffusionLM(nn.Module):
             ) -> torch.Tensor | None:
         """`forward` with the chunk's positions [T] and key end (0-d) as device tensors: the same kernels on the same
         shapes wherever the chunk sits, so one CUDA graph serves every chunk of a (length, key length, rows)."""
-        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
+        if self.rope_tables is not None:        # the prologue kernel reads the rows of its positions
+            cos, sin = self.rope_tables
+        else:
+            cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
         mask = self.attention_mask(positions, kv_end, key_len, block_length or self.config.block_length)
         h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):

@@ -19,16 +19,25 @@ class MoEBlock(nn.Module):
                             if config.use_expert_bias else None)
         self.shared = (SwiGLU(config.hidden_size, config.shared_intermediate_size)
                        if config.num_shared_experts else None)
-        # Set by the engine: an object with run(layer_idx, x, ids, weights) -> [T, H] (the ExpertManager).
+        # Set by the engine: an object with run(layer_idx, x, ids, weights, shared) -> [T, H], the routed output plus
+        # shared(x) (the ExpertManager).
         self.experts = None
         # Set for a trace replay (oled/trace/source.py): routing(layer_idx, ids, weights) -> the recorded routing,
         # which replaces the router's; predicted(layer_idx, x) -> the recorded prediction of this layer's routing.
         self.routing_source = None
-        self.fused_router = False      # set by the engine (EngineConfig.fused_router): the Triton router kernel
+        self.fused_router = False      # set by use_fused_router (EngineConfig.fused_router): the Triton router kernel
+        self.gate_weight = None        # with it: the router weight in fp32, cast once for the fp32 gate GEMM
+
+    def use_fused_router(self) -> None:
+        """Route with the Triton kernel, and keep the fp32 copy of the router weight that LLaDA2's gate GEMM reads
+        (the same values the per-call cast makes; no copy when the model is fp32)."""
+        self.fused_router = True
+        self.gate_weight = self.router_weight.detach().float()
 
     def route(self, x: torch.Tensor):
         """The router itself."""
-        return route(self.config, x, self.router_weight, self.expert_bias, fused=self.fused_router)
+        weight = self.router_weight if self.gate_weight is None else self.gate_weight
+        return route(self.config, x, weight, self.expert_bias, fused=self.fused_router)
 
     def routing(self, x: torch.Tensor):
         """The routing the layer uses: the router's, or the replayed trace's (the router still runs: its cost)."""
@@ -45,7 +54,4 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.routing(x)
-        out = self.experts.run(self.layer_idx, x, ids, weights)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        return self.experts.run(self.layer_idx, x, ids, weights, self.shared)

@@ -158,8 +158,7 @@ class ExpertManager:
         n_valid rows of the served pairs, leaving the others as they are. The fused kernels write the served
         rows only, either way."""
         with self._section("gpu_experts"):
-            base = self.layer_pos[layer] * self.cache.capacity
-            pool = self.cache.pool[base:base + self.cache.capacity]
+            base, pool = self._pool(layer)
             if self.fused_swiglu is not None:
                 self.fused_swiglu(x, pair_slots, pool, self.hidden, self.inter, y_pairs, slot_base=base)
                 return
@@ -171,25 +170,28 @@ class ExpertManager:
             else:
                 y_pairs.index_copy_(0, order[:n_valid], y[:n_valid])
 
-    def combine(self, y_pairs, weights):
-        """sum_k weights[t, k] * y_pairs[t * k + k'], in fp32, in routing order."""
+    def combine(self, y_pairs, weights, shared_out=None):
+        """sum_k weights[t, k] * y_pairs[t * k + k'], in fp32, in routing order, in the model dtype; + shared_out
+        (the shared expert's output) when given, as the model adds it."""
         if self.fused_combine is not None:
-            return self.fused_combine(y_pairs, weights)
+            return self.fused_combine(y_pairs, weights, shared_out)
         T, k = weights.shape
-        return (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
+        out = (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
+        return out if shared_out is None else out + shared_out
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Routed-expert output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])."""
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared=None) -> torch.Tensor:
+        """Output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), + shared(x) when the layer has a
+        shared expert (a callable on x). The manager runs the shared expert where it costs least: in an offloaded
+        layer, on the GPU while the host decides the misses."""
         if self.policy.static_full:
-            pair_slots = self.slot_map[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-            y_pairs = self._grouped_all(layer, x, pair_slots)      # every expert is resident: one wave
+            y_pairs = self._grouped_all(layer, x, ids)      # every expert is resident: one wave
             self._routing_log.append((layer, ids))
-            return self.combine(y_pairs, weights)
+            return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
-            return self.host_boundary(layer, x, ids, weights)
-        return self.run_offloaded(layer, x, ids, weights)
+            return self.host_boundary(layer, x, ids, weights, shared)
+        return self.run_offloaded(layer, x, ids, weights, shared)
 
-    def run_offloaded(self, layer, x, ids, weights):
+    def run_offloaded(self, layer, x, ids, weights, shared=None):
         """The offloaded path, in four parts, so that a segmented CUDA graph (decoding/graphs.py) replays the two
         device parts and runs the two host parts eagerly between them:
           1. device: the routing's read-back is issued, then every pair whose expert is ready in the device slot map
@@ -198,12 +200,13 @@ class ExpertManager:
           3. device: the first wave's loads are computed (skipped when the layer loads nothing);
           4. host: further waves, prefetches for the next layer, statistics, the CPU jobs' results."""
         y_pairs = self.begin_offloaded(layer, x, ids, weights)
+        shared_out = shared(x) if shared is not None else None      # queued behind the hits, before the host waits
         load_slots = self._staging_device(f"load_slots{layer}", ids.numel())
         work = self.decide_offloaded(layer, x, load_slots)
         if work.loads_first:
             self.load_wave(layer, x, load_slots, y_pairs)
         self.end_offloaded(work, x, y_pairs)
-        return self.combine(y_pairs, weights)
+        return self.combine(y_pairs, weights, shared_out)
 
     def begin_offloaded(self, layer, x, ids, weights) -> torch.Tensor:
         """Device part one: issue the routing's read-back into pinned buffers (with an event the host waits on), then
@@ -225,8 +228,7 @@ class ExpertManager:
                 ready = self._routing_events[layer] = torch.cuda.Event(external=True)
             ready.record()
         self._readback[layer, x.shape[0]] = (bufs, ready, ids_next is not None)
-        pair_slots = self.slot_map[self.layer_pos[layer]].index_select(0, ids.reshape(-1))
-        return self._grouped_all(layer, x, pair_slots)
+        return self._grouped_all(layer, x, ids)
 
     def _read_routing(self, layer, tokens: int):
         """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
@@ -275,11 +277,24 @@ class ExpertManager:
             self._grouped(layer, x, load_slots, y, n_valid=None)
             torch.where((load_slots >= 0).unsqueeze(-1), y, y_pairs, out=y_pairs)
 
-    def _grouped_all(self, layer, x, pair_slots) -> torch.Tensor:
-        """The grouped compute of the pairs with a slot, one output row per (token, expert) pair; rows of pairs
-        without one are unspecified. The kernels and shapes do not depend on the routing, so a graph replays them."""
-        y_pairs = torch.empty(pair_slots.shape[0], self.hidden, dtype=x.dtype, device=x.device)
-        self._grouped(layer, x, pair_slots, y_pairs, n_valid=None)
+    def _pool(self, layer) -> tuple[int, torch.Tensor]:
+        """The layer's first slot and its slots' rows of the pool."""
+        base = self.layer_pos[layer] * self.cache.capacity
+        return base, self.cache.pool[base:base + self.cache.capacity]
+
+    def _grouped_all(self, layer, x, ids) -> torch.Tensor:
+        """The grouped compute of every pair whose expert the device slot map holds, one output row per (token,
+        expert) pair; rows of pairs without one are unspecified. The kernels and shapes do not depend on the
+        routing, so a graph replays them. The fused kernels look the slots up in the map themselves."""
+        flat = ids.reshape(-1)
+        row = self.slot_map[self.layer_pos[layer]]
+        y_pairs = torch.empty(flat.shape[0], self.hidden, dtype=x.dtype, device=x.device)
+        if self.fused_swiglu is not None:
+            with self._section("gpu_experts"):
+                base, pool = self._pool(layer)
+                self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row)
+            return y_pairs
+        self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         return y_pairs
 
     def end_offloaded(self, work: "OffloadedLayer", x, y_pairs) -> None:

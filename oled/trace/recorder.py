@@ -43,7 +43,7 @@ class TraceRecorder:
         return getattr(self.__dict__["manager"], name)
 
     # ----------------------------------------------------------------------------------------- manager calls
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared=None) -> torch.Tensor:
         pred = None
         if self.predictions:
             pos = self.layers.index(layer) + 1
@@ -53,7 +53,7 @@ class TraceRecorder:
         self.run_layer.append(layer)
         self.run_forward.append(self._forward)
         self._pending.append((ids, weights, pred))
-        return self.manager.run(layer, x, ids, weights)
+        return self.manager.run(layer, x, ids, weights, shared)
 
     def begin_forward(self, info) -> None:
         self._flush()

@@ -1,0 +1,66 @@
+"""Kernel launches of a denoising forward with every Triton kernel on (--fused), counted on the CPU
+(benchmarks/launch_count.py: aten ops that launch a kernel, plus Triton launches): exactly the kernels listed here,
+so a launch that creeps back into the forward fails this test, and against the torch path."""
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+
+triton = import_triton_for_the_interpreter()
+
+# what each part of a forward launches with --fused
+EVERY_LAYER = Counter({"triton:add_rms_norm_kernel": 2, "linear": 2, "triton:qk_norm_rope_kernel": 1,
+                       "scaled_dot_product_attention": 1})         # two norms, QKV and output GEMMs, prologue
+MOE_LAYER = Counter({"to": 1, "matmul": 1,                         # the fp32 gate GEMM's input cast and the GEMM
+                     "triton:sigmoid_group_route_kernel": 1, "triton:align_pairs_kernel": 1,
+                     "triton:gate_up_kernel": 1, "triton:down_kernel": 1, "triton:combine_kernel": 1,
+                     "linear": 2, "triton:silu_mul_kernel": 1})    # the shared expert: gate|up, SiLU * up, down
+DENSE_LAYER = Counter({"linear": 2, "triton:silu_mul_kernel": 1})
+FORWARD = Counter({"embedding": 1, "full": 1, "arange": 2, "lt": 1, "floor_divide": 2, "le": 1, "__and__": 1,
+                   # the mask
+                   "triton:add_rms_norm_kernel": 1, "linear": 1, "to": 1,           # final norm, LM head, fp32 logits
+                   "triton:scan_kernel": 1, "_to_copy": 2, "stack": 2})            # confidence; to the host
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    mp = interpreted_kernels("kernel_math", "router_kernel", "confidence_kernel", "moe_align_kernel", "moe_kernel",
+                             "norm_kernel", "mlp_kernel")
+    yield
+    mp.undo()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # -inf - -inf in the confidence
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def load_counter():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_count.py"
+    spec = importlib.util.spec_from_file_location("launch_count", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_fused_forward_launches_exactly_the_listed_kernels(kernels):
+    from oled.models.config import config_from_dict
+    from oled.synth import preset_config
+
+    counter = load_counter()
+    assert set(counter.fused_fields()) == {"fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"}
+    runs = {fused: counter.count_forward(counter.fused_fields() if fused else [], gen_length=16)
+            for fused in (False, True)}
+    counts, forwards = runs[True]
+    config = config_from_dict(preset_config("tiny", None))
+    moe, dense = len(config.moe_layers), config.num_layers - len(config.moe_layers)
+    per_forward = Counter()
+    for part, times in ((EVERY_LAYER, config.num_layers), (MOE_LAYER, moe), (DENSE_LAYER, dense), (FORWARD, 1)):
+        for name, n in part.items():
+            per_forward[name] += n * times
+    assert forwards == runs[False][1]
+    assert dict(counts) == {name: n * forwards for name, n in per_forward.items()}
+    plain = sum(runs[False][0].values()) / forwards
+    assert sum(per_forward.values()) * 4 < plain, (sum(per_forward.values()), plain)     # 58 against about 290
