@@ -18,6 +18,8 @@
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
 #          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with the Triton kernels)
+#   ttft   time to first token and prefill per budget for prompts of 32, 512 and 2,048 tokens against the PCIe floor
+#          (benchmarks/ttft.py; TTFT_FLAGS=--fused with every Triton kernel)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -135,6 +137,17 @@ for d in filter(os.path.isdir, sys.argv[1:]):
         print(d.rsplit("/", 1)[-1], r["policy"], r["budget"], "TPOT ms", r["metrics"]["tpot_ms"]["median"],
               "agreement", r["metrics"]["token_agreement"]["median"])
 PY
+fi
+if has ttft; then
+  timeout ${TTFT_S:-300} python3 benchmarks/ttft.py --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
+    --prompt-tokens ${TTFT_PROMPTS:-32,512,2048} --repeats 3 ${TTFT_FLAGS:-} --out $R/ttft.jsonl > $R/ttft.log 2>&1
+  echo "ttft rc=$?"; cp $R/ttft.jsonl $OUT/ 2>/dev/null
+  python3 -c "
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    print(r['budget'], r['prompt_tokens'], 'prefill %.1f ms (floor %.1f)' % (r['prefill_s'] * 1e3, r['prefill_floor_s'] * 1e3),
+          'TTFT %.1f ms (floor %.1f)' % (r['ttft_s'] * 1e3, r['ttft_floor_s'] * 1e3))" $R/ttft.jsonl 2>/dev/null
 fi
 if has overhead; then
   # OVERHEAD_MODES: "plain" (the default, torch's kernels) and/or "fused" (OVERHEAD_FUSED, default --fused: every

@@ -270,3 +270,29 @@ def test_cpu_policy_lines_carry_the_cost_model_and_its_error(tmp_path):
     assert m["cpu_pairs_per_iteration"] > 0 and m["cpu_ms_per_iteration"] > 0 and m["cpu_cost_model_ratio"] > 0
     lru = next(r for r in rows if r["policy_label"] == "lru")
     assert lru["cost_model"] is None and lru["metrics"]["cpu_cost_model_ratio"]["median"] is None
+
+
+def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_path):
+    """benchmarks/ttft.py end to end on the tiny preset: one line per (budget, prompt length); with every expert
+    resident nothing has to cross, under a budget the misses do; the first block comes after the prefill; the
+    floors are NaN without a GPU's measured bandwidth."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ttft.py"
+    spec = importlib.util.spec_from_file_location("ttft", script)
+    ttft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttft)
+    records = [SimpleNamespace(experts=5, experts_hit=2), SimpleNamespace(experts=3, experts_hit=3)]
+    assert ttft.missed_bytes(records, 100) == 300
+    out = tmp_path / "ttft.jsonl"
+    assert ttft.main(["--random-weights", "tiny", "--device", "cpu", "--budgets", "1.0,0.5", "--prompt-tokens",
+                      "40", "--repeats", "1", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["budget"], r["prompt_tokens"]) for r in lines] == [("1.0", 40), ("0.5", 40)]
+    full, half = lines
+    assert full["prefill_missed_bytes"] == 0 and half["ttft_missed_bytes"] > 0
+    assert all(r["ttft_s"] >= r["prefill_s"] > 0 for r in lines)
+    assert all(r["ttft_floor_s"] != r["ttft_floor_s"] for r in lines)           # NaN on the CPU

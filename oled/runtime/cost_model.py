@@ -197,6 +197,12 @@ def _time_copies(store, device, n: int) -> float:
     return best
 
 
+def h2d_gbps(store, device, n: int = 16) -> float:
+    """GB/s of expert blob copies from the store into device memory, n blobs a batch (the copy path's bandwidth)."""
+    n = min(n, store.config.num_experts)
+    return n * store.expert_bytes / _time_copies(store, device, n) / 1e9
+
+
 def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int = 20, rounds: int = 3) -> float:
     """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
     expert. On the GPU the call is captured in a CUDA graph and its replays are timed with CUDA events (median of
@@ -352,8 +358,7 @@ def monotone_in_tokens(table: dict[int, float]) -> dict[int, float]:
 def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostModel:
     from .cpu_kernel import calibrate, call_overhead
 
-    n = 16
-    h2d = n * store.expert_bytes / _time_copies(store, device, n) / 1e9
+    h2d = h2d_gbps(store, device)
     # calibrate() times back-to-back calls of 8 experts: take that call's share out of its per-expert times; the
     # engine calls the kernel once per layer, ms apart, after waking the workers (manager.py, EngineConfig.cpu_wake): the
     # time of such a call is the model's
