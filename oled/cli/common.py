@@ -95,8 +95,8 @@ def add_execution_args(g) -> None:
                    help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
                         "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
     g.add_argument("--fused", action="store_true",
-                   help="every --fused-* kernel above (on the H200 a forward of `full` 2.3 x faster, BENCHMARKS.md "
-                        "section 16)")
+                   help="every --fused-* kernel above (on the H200, all but --fused-mlp made a forward of `full` 2.3 x "
+                        "faster: BENCHMARKS.md section 16)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
