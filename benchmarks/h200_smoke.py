@@ -12,12 +12,12 @@ import time
 import traceback
 
 import oled
+from oled.config import FUSED_KERNELS
 
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 preset = sys.argv[2] if len(sys.argv) > 2 else "llada2-mini"
 QUICK = "quick" in sys.argv[3:]             # graphs only: full, and lru with segmented graphs
-FUSED = dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"),
-                      "fused" in sys.argv[3:])
+FUSED = dict.fromkeys(FUSED_KERNELS, "fused" in sys.argv[3:])
 PROMPT, GEN = "def quicksort(items):", 64 if QUICK else 128
 t = time.time()
 llm = oled.LLM(random_weights=preset, layers=layers, policy="full", **FUSED)

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from oled.bench.floor import measure_hbm_bandwidth, weight_bytes_per_iteration
-from oled.config import EngineConfig
+from oled.config import FUSED_KERNELS, EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 
@@ -104,15 +104,15 @@ def main():
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
-    for kernel in ("router", "moe", "norm", "mlp", "confidence"):
-        ap.add_argument(f"--fused-{kernel}", action="store_true", help=f"the engine's --fused-{kernel}")
+    for name in FUSED_KERNELS:
+        flag = f"--{name.replace('_', '-')}"
+        ap.add_argument(flag, action="store_true", help=f"the engine's {flag}")
     ap.add_argument("--fused", action="store_true", help="every --fused-* kernel (the engine's --fused)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0",
-                                 **{f"fused_{k}": getattr(args, f"fused_{k}") or args.fused
-                                    for k in ("router", "moe", "norm", "mlp", "confidence")}))
+                                 **{name: getattr(args, name) or args.fused for name in FUSED_KERNELS}))
     hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from oled.config import EngineConfig
+from oled.config import FUSED_KERNELS, EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 from oled.runtime.cost_model import h2d_gbps
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true", help="every Triton kernel (the engine's --fused)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    kernels = dict.fromkeys(("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"), args.fused)
+    kernels = dict.fromkeys(FUSED_KERNELS, args.fused)
     engine = Engine(EngineConfig(random_weights=args.random_weights, layers=args.layers, device=args.device,
                                  policy="full", **kernels))
     gbps = h2d_gbps(engine.store, engine.device) if engine.device.type == "cuda" else float("nan")

@@ -1,7 +1,7 @@
 """EngineConfig: one dataclass whose fields are the engine's CLI flags."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 CPU_WAKE_MODES = ("auto", "layer", "forward", "off")       # EngineConfig.cpu_wake
 CPU_ISAS = ("auto", "avx512_bf16", "portable")     # EngineConfig.cpu_isa
@@ -53,3 +53,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# EngineConfig's Triton-kernel switches, in field order (the CLI's --fused-* flags, `--fused` for all)
+FUSED_KERNELS = tuple(f.name for f in fields(EngineConfig) if f.name.startswith("fused_"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig
+from .config import FUSED_KERNELS, EngineConfig
 from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
 from .decoding import rules
@@ -158,19 +158,19 @@ class Engine:
             block.experts = self.manager
             self.manager.predictors[block.layer_idx] = block.predicted_routing
 
-    # EngineConfig field -> (flag, kernel module, a kernel of it)
-    KERNELS = {"fused_router": ("--fused-router", "router_kernel", "sigmoid_group_route_kernel"),
-               "fused_moe": ("--fused-moe", "moe_kernel", "gate_up_kernel"),
-               "fused_norm": ("--fused-norm", "norm_kernel", "add_rms_norm_kernel"),
-               "fused_mlp": ("--fused-mlp", "mlp_kernel", "silu_mul_kernel"),
-               "fused_confidence": ("--fused-confidence", "confidence_kernel", "scan_kernel")}
+    # EngineConfig.fused_* field -> (its kernel module, a kernel of it)
+    KERNELS = {"fused_router": ("router_kernel", "sigmoid_group_route_kernel"),
+               "fused_moe": ("moe_kernel", "gate_up_kernel"),
+               "fused_norm": ("norm_kernel", "add_rms_norm_kernel"),
+               "fused_mlp": ("mlp_kernel", "silu_mul_kernel"),
+               "fused_confidence": ("confidence_kernel", "scan_kernel")}
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
         """Each Triton kernel on or off, as asked; one that is asked for is checked to run here first."""
-        for name, (flag, module, kernel) in self.KERNELS.items():
+        for name in FUSED_KERNELS:
             if getattr(cfg, name):
-                self._check_triton_runs(flag, module, kernel)
-        return {name: bool(getattr(cfg, name)) for name in self.KERNELS}
+                self._check_triton_runs(f"--{name.replace('_', '-')}", *self.KERNELS[name])
+        return {name: bool(getattr(cfg, name)) for name in FUSED_KERNELS}
 
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
         """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on

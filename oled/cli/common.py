@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import CPU_ISAS, CPU_WAKE_MODES, EngineConfig
+from ..config import CPU_ISAS, CPU_WAKE_MODES, FUSED_KERNELS, EngineConfig
 from ..decoding.params import DecodeParams
 from ..policies import DEFAULT_POLICY, POLICIES, policy_class
 
@@ -44,6 +44,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: 1; the other physical cores go to the CPU expert kernel)")
 
 
+FUSED_HELP = {
+    "fused_router": "LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
+                    "gate GEMM: the same ids and weights in fewer launches",
+    "fused_moe": "the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
+                 "device, gate|up then down, written straight to each pair's row) and their weighted combine, "
+                 "instead of torch's grouped GEMMs",
+    "fused_norm": "each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial RoPE, "
+                  "the KV-cache write), as one Triton kernel each",
+    "fused_mlp": "the dense MLPs and the shared experts with gate and up as one GEMM and SiLU * up as one Triton "
+                 "kernel",
+    "fused_confidence": "greedy decoding's token and confidence from the LM head's logits in one Triton pass, "
+                        "without a softmax over the vocabulary",
+}
+
+
 def add_execution_args(g) -> None:
     """How the engine runs, whatever the policy (shared by every command that builds an engine, `oled bench` too)."""
     g.add_argument("--layers", type=positive_int, help="override the number of layers of a random-weights preset")
@@ -78,22 +93,9 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
     # off by default until every policy has run with them on the H200 (BENCHMARKS.md section 16)
-    g.add_argument("--fused-router", action="store_true",
-                   help="LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
-                        "gate GEMM: the same ids and weights in fewer launches (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused-moe", action="store_true",
-                   help="the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
-                        "device, gate|up then down, written straight to each pair's row) and their weighted combine, "
-                        "instead of torch's grouped GEMMs (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused-norm", action="store_true",
-                   help="each RMSNorm with the residual add before it, and the attention prologue (QK-norm, partial "
-                        "RoPE, the KV-cache write), as one Triton kernel each (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused-mlp", action="store_true",
-                   help="the dense MLPs and the shared experts with gate and up as one GEMM and SiLU * up as one "
-                        "Triton kernel (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused-confidence", action="store_true",
-                   help="greedy decoding's token and confidence from the LM head's logits in one Triton pass, without "
-                        "a softmax over the vocabulary (needs Triton and CUDA; default: off)")
+    for name in FUSED_KERNELS:
+        g.add_argument(f"--{name.replace('_', '-')}", action="store_true",
+                       help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: off)")
     g.add_argument("--fused", action="store_true",
                    help="every --fused-* kernel above (on the H200, all but --fused-mlp made a forward of `full` 2.3 x "
                         "faster: BENCHMARKS.md section 16)")
@@ -127,13 +129,10 @@ def engine_config(args) -> EngineConfig:
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 
-FUSED_FIELDS = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence")
-
-
 def fused_fields(args) -> dict:
     """The Triton kernels' EngineConfig switches from the flags of add_execution_args (`oled bench` passes them on):
     each --fused-* flag, or --fused for all."""
-    return {name: getattr(args, name) or args.fused for name in FUSED_FIELDS}
+    return {name: getattr(args, name) or args.fused for name in FUSED_KERNELS}
 
 
 CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_cost_feedback", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us",
