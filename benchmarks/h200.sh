@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 benchmarks in stages, each under its own time limit so one slow stage cannot take the others' results with it:
-#   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind (SMOKE_ARGS=fused:
-#          with every Triton kernel)
+#   smoke  CUDA-path check on a 4-layer mini-shaped model: graph replays vs eager, every policy kind, with the engine's
+#          default kernels (the Triton ones, on CUDA; SMOKE_ARGS=plain: torch's, fused: every Triton kernel asked for)
 #   wake   A/B of the CPU workers' wake modes (--cpu-wake layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
 #   grid   the default policy grid on llada2-mini shapes, one `oled bench` command: every baseline, oled and its
@@ -11,22 +11,23 @@
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
 #          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
-#   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with torch's kernels and with FUSED_FLAG (default --fused:
-#          every Triton kernel), back to back
+#   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with torch's kernels (--no-fused) and with FUSED_FLAG
+#          (default --fused: every Triton kernel), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
 #          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given)
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
-#          POLICY@BUDGET runs, OVERHEAD_MODES="plain fused" adds a run with the Triton kernels)
+#          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's))
 #   ttft   time to first token and prefill per budget for prompts of 32, 512 and 2,048 tokens against the PCIe floor
-#          (benchmarks/ttft.py; TTFT_FLAGS=--fused with every Triton kernel)
+#          (benchmarks/ttft.py; the engine's default kernels, TTFT_FLAGS=--no-fused for torch's)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
 #          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
 # STAGES picks stages (default: all; the 10-minute limit per call needs e.g. "smoke", "grid", "trace core tiny").
-# GRID_FLAGS adds engine flags to every `oled bench` of the call (e.g. --fused: every Triton kernel).
+# GRID_FLAGS adds engine flags to every `oled bench` of the call (e.g. --no-fused: torch's kernels, not the Triton
+# ones the engine runs by default on CUDA).
 # If the smoke check finds graph replays changing tokens, later stages of the call run with --no-cuda-graphs; if it
 # finds segmented graphs of offloaded forwards changing tokens, with --no-offload-graphs. GRAPHS=... overrides.
 # Results: $OUT/results-<stages>.tgz, each bench stage's result lines as $OUT/<folder>-results.jsonl, and the tails
@@ -124,7 +125,7 @@ if has kernels; then
 fi
 if has fused; then
   for mode in ${FUSED_MODES:-plain fused}; do
-    flag=""; [ $mode = fused ] && flag=${FUSED_FLAG:---fused}
+    flag=--no-fused; [ $mode = fused ] && flag=${FUSED_FLAG:---fused}
     timeout ${FUSED_S:-240} python3 -m oled.cli bench $GRID --budgets ${FUSED_BUDGETS:-1.0,0.4} \
       --policies ${FUSED_POLICIES:-full,lru} --no-bound $flag --out $R/fused-$mode > $R/fused-$mode.log 2>&1
     echo "fused stage ($mode) rc=$?"; keep fused-$mode
@@ -147,12 +148,13 @@ import json, sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
     print(r['budget'], r['prompt_tokens'], 'prefill %.1f ms (floor %.1f)' % (r['prefill_s'] * 1e3, r['prefill_floor_s'] * 1e3),
-          'TTFT %.1f ms (floor %.1f)' % (r['ttft_s'] * 1e3, r['ttft_floor_s'] * 1e3))" $R/ttft.jsonl 2>/dev/null
+          'TTFT %.1f ms (floor %.1f)' % (r['ttft_s'] * 1e3, r['ttft_floor_s'] * 1e3),
+          'TTFT / max(floor, 100 %%) %.2f' % r.get('ttft_over_bound', float('nan')))" $R/ttft.jsonl 2>/dev/null
 fi
 if has overhead; then
-  # OVERHEAD_MODES: "plain" (the default, torch's kernels) and/or "fused" (OVERHEAD_FUSED, default --fused: every
-  # Triton kernel), one JSON each
-  for mode in ${OVERHEAD_MODES:-plain}; do
+  # OVERHEAD_MODES: "fused" (OVERHEAD_FUSED, default --fused: every Triton kernel, the engine's default on CUDA)
+  # and/or "plain" (torch's kernels), one JSON each
+  for mode in ${OVERHEAD_MODES:-fused plain}; do
     flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused}
     timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
       --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \

@@ -17,7 +17,8 @@ from oled.config import FUSED_KERNELS
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 preset = sys.argv[2] if len(sys.argv) > 2 else "llada2-mini"
 QUICK = "quick" in sys.argv[3:]             # graphs only: full, and lru with segmented graphs
-FUSED = dict.fromkeys(FUSED_KERNELS, "fused" in sys.argv[3:])
+# "fused": every Triton kernel asked for; "plain": torch's kernels; neither: the engine's default (on with CUDA)
+FUSED = dict.fromkeys(FUSED_KERNELS, True if "fused" in sys.argv[3:] else False if "plain" in sys.argv[3:] else None)
 PROMPT, GEN = "def quicksort(items):", 64 if QUICK else 128
 t = time.time()
 llm = oled.LLM(random_weights=preset, layers=layers, policy="full", **FUSED)

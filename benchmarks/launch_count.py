@@ -81,7 +81,7 @@ def count_forward(kernels: list[str], preset="tiny", dtype="bfloat16", gen_lengt
     from oled.decoding.params import DecodeParams
 
     llm = oled.LLM(random_weights=preset, device="cpu", dtype=dtype, policy=policy, expert_budget=budget,
-                   **dict.fromkeys(kernels, True))
+                   **{name: name in kernels for name in fused_fields()})
     ids = llm.tokenizer.encode("def fib(n):\n")
     params = DecodeParams(gen_length=gen_length, block_length=min(gen_length, 32))
     with count_launches() as counts:

@@ -41,14 +41,15 @@ class EngineConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
-    # The Triton kernels (oled/kernels), each in place of its torch path; each needs Triton and CUDA, or
-    # TRITON_INTERPRET=1. Off by default until every policy has run with them on the H200 (BENCHMARKS.md section 16).
-    fused_router: bool = False            # LLaDA2's routing (sigmoid, bias, group limit, top-k) after the gate GEMM
-    fused_moe: bool = False               # the routed experts over the slot pool and their weighted combine
-    fused_norm: bool = False              # each RMSNorm with its residual add; the attention prologue (QK-norm,
+    # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
+    # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device
+    # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (BENCHMARKS.md section 16).
+    fused_router: bool | None = None      # LLaDA2's routing (sigmoid, bias, group limit, top-k) after the gate GEMM
+    fused_moe: bool | None = None         # the routed experts over the slot pool and their weighted combine
+    fused_norm: bool | None = None        # each RMSNorm with its residual add; the attention prologue (QK-norm,
                                           # RoPE, the KV-cache write)
-    fused_mlp: bool = False               # the dense MLPs and shared experts: gate|up as one GEMM, SiLU * up fused
-    fused_confidence: bool = False        # greedy x0 and its probability from the LM head's logits in one pass
+    fused_mlp: bool | None = None         # the dense MLPs and shared experts: gate|up as one GEMM, SiLU * up fused
+    fused_confidence: bool | None = None  # greedy x0 and its probability from the LM head's logits in one pass
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

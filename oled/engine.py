@@ -99,6 +99,7 @@ class Engine:
             loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
+        self._settle_kernels()
         if self.kernels["fused_router"]:
             self._use_fused_router()
         self.model.use_fused_norm(self.kernels["fused_norm"])
@@ -150,7 +151,7 @@ class Engine:
                                      costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
                                      cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"])
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
-        static = self.policy.static_full
+        static = self.manager.all_resident
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
                        if self.cfg.cuda_graphs and self.device.type == "cuda" and (static or self.cfg.offload_graphs)
                        else None)
@@ -166,11 +167,25 @@ class Engine:
                "fused_confidence": ("confidence_kernel", "scan_kernel")}
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
-        """Each Triton kernel on or off, as asked; one that is asked for is checked to run here first."""
+        """Each Triton kernel on or off: as asked (one asked for is checked to run here first), or, left at None,
+        on where Triton compiles for this device (the router: once the model is known to route as LLaDA2,
+        _settle_kernels)."""
+        from .kernels import triton_support
+
+        auto = self.device.type == "cuda" and triton_support.available()
+        picked = {}
         for name in FUSED_KERNELS:
-            if getattr(cfg, name):
+            asked = getattr(cfg, name)
+            if asked:
                 self._check_triton_runs(f"--{name.replace('_', '-')}", *self.KERNELS[name])
-        return {name: bool(getattr(cfg, name)) for name in FUSED_KERNELS}
+            picked[name] = auto if asked is None else bool(asked)
+        return picked
+
+    def _settle_kernels(self) -> None:
+        """The kernels that depend on the model, once it is loaded: the fused router implements LLaDA2's routing
+        only, so left at its default it is off for another model's (asked for, that is an error)."""
+        if self.cfg.fused_router is None and self.config.router != "sigmoid_group":
+            self.kernels["fused_router"] = False
 
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
         """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on

@@ -43,7 +43,7 @@ def test_json_lines_carry_every_field(live):
     bound = [r for r in lines if r["policy"] == "belady"]
     assert all(r["mode"] == "bound" and r["metrics"]["tpot_ms"]["median"] is None for r in bound)
     loads = {(r["policy"], r["budget"]): r["stats_totals"]["loads"] for r in lines}
-    assert loads[("belady", "0.5")] > loads[("belady", "1.0")] > 0                 # cold misses, then evictions
+    assert loads[("belady", "0.5")] > 0 == loads[("belady", "1.0")]   # 100 %: every expert placed at the start
     for r in lines:
         for key in TOP_LEVEL:
             assert key in r, key
@@ -296,3 +296,7 @@ def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_pat
     assert full["prefill_missed_bytes"] == 0 and half["ttft_missed_bytes"] > 0
     assert all(r["ttft_s"] >= r["prefill_s"] > 0 for r in lines)
     assert all(r["ttft_floor_s"] != r["ttft_floor_s"] for r in lines)           # NaN on the CPU
+    # the bound: the larger of the floor and the 100 % run's time (here, without a floor, that time)
+    assert full["ttft_over_bound"] == full["prefill_over_bound"] == 1.0
+    assert half["ttft_bound_s"] == full["ttft_s"] and half["prefill_bound_s"] == full["prefill_s"]
+    assert half["ttft_over_bound"] == half["ttft_s"] / full["ttft_s"]

@@ -45,12 +45,41 @@ def test_the_device_slot_map_agrees_with_the_host_tables_after_every_layer(polic
     assert m.stats.summary()["hit_rate_tokens"] < 1.0        # there were misses to keep the map busy
 
 
+def test_a_budget_that_holds_every_expert_runs_the_all_resident_forward():
+    """At 100 % every expert is placed at the start, whatever the policy: the forward is the all-resident one (no
+    host step per layer), the tokens are full's, and the policy still sees every layer's routing, after the
+    forward."""
+    llm = make_llm("lru", "1.0")
+    m = llm.engine.manager
+    assert m.all_resident and all(len(m.cache.resident(layer)) == m.config.num_experts for layer in m.layers)
+    calls = {"decide_offloaded": 0, "policy": 0}
+    decide_offloaded, decide = m.decide_offloaded, m.policy.decide
+
+    def counting_offloaded(*a):
+        calls["decide_offloaded"] += 1
+        return decide_offloaded(*a)
+
+    def counting_decide(event):
+        calls["policy"] += 1
+        assert not event.misses
+        return decide(event)
+    m.decide_offloaded, m.policy.decide = counting_offloaded, counting_decide
+    out = llm.generate(PROMPT, gen_length=48)
+    full = make_llm("full", "1.0")
+    reference = full.generate(PROMPT, gen_length=48)
+    assert out.token_ids == reference.token_ids
+    assert calls["decide_offloaded"] == 0
+    assert calls["policy"] == len(m.stats.records) == len(full.engine.manager.stats.records) > 0
+    summary = m.stats.summary()
+    assert summary["hit_rate_tokens"] == 1.0 and summary["h2d_gb_per_iteration"] == 0
+
+
 def test_nothing_missing_means_no_wave_after_the_hits():
     """With every expert resident the hits computed from the device slot map are the whole layer: no first-wave
-    compute, no slot buffer written, no row of the map copied."""
+    compute, no slot buffer written, no row of the map copied (the offloaded path, which 100 % does not take)."""
     llm = make_llm("lru", "1.0")
-    llm.generate(PROMPT, gen_length=48)          # lru starts empty: the first request loads what it needs
     m = llm.engine.manager
+    m.all_resident = False
     calls = {"load_wave": 0}
     load_wave = m.load_wave
 
@@ -85,8 +114,8 @@ def test_a_hit_left_out_of_the_map_is_computed_in_the_first_wave():
     """The same on a whole layer: its hits that the map leaves out land in the first wave's slots, and the layer's
     output equals the all-resident one."""
     llm = make_llm("lru", "1.0")
-    llm.generate(PROMPT, gen_length=48)
     m = llm.engine.manager
+    m.all_resident = False                         # the offloaded path, with every expert resident
     layer = m.layers[0]
     torch.manual_seed(0)
     x = torch.randn(4, m.hidden)

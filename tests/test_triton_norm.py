@@ -218,13 +218,26 @@ def test_the_benchmarks_norm_case_runs_under_the_interpreter(norm):
         assert record[name]["check"]["ok"] and record[name]["speedup"] == 1.0
 
 
-def test_the_kernels_are_off_by_default_and_follow_the_flags(norm):
-    """EngineConfig.fused_*: off by default (torch's kernels); a True turns its kernel on (here through the
-    interpreter) and describe() names those that are on; the CLI's --fused turns on every one."""
+def test_the_kernels_are_on_by_default_with_cuda_only_and_follow_the_flags(norm, monkeypatch):
+    """EngineConfig.fused_*: None by default, which is on with a CUDA device and Triton and torch's path elsewhere
+    (here, the CPU); a True turns its kernel on (here through the interpreter), a False keeps torch's, and
+    describe() names those that are on; the CLI's --fused / --no-fused set every one, --[no-]fused-X one."""
     import oled
     from oled.cli import build_parser
     from oled.cli.common import fused_fields
+    from oled.config import EngineConfig
+    from oled.engine import Engine
+    from oled.kernels import triton_support
 
+    names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence")
+    monkeypatch.setattr(triton_support, "available", lambda: True)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), _check_triton_runs=None)
+    assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, True)
+    assert Engine._pick_kernels(on_cuda, EngineConfig(fused_mlp=False)) == dict(dict.fromkeys(names, True),
+                                                                                fused_mlp=False)
+    monkeypatch.setattr(triton_support, "available", lambda: False)          # a CUDA device without Triton
+    assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, False)
+    monkeypatch.undo()
     plain = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
     assert plain.engine.kernels == dict.fromkeys(
         ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"), False)
@@ -234,9 +247,12 @@ def test_the_kernels_are_off_by_default_and_follow_the_flags(norm):
     assert all(layer.attn.fused and layer.attn_norm.fused for layer in picked.engine.model.layers)
     assert "Triton kernels: norm" in picked.engine.describe()
     parse = build_parser()[0].parse_args
-    assert set(fused_fields(parse(["generate", "x", "--fused"])).values()) == {True}
-    assert fused_fields(parse(["generate", "x", "--fused-moe"])) == {
-        "fused_router": False, "fused_moe": True, "fused_norm": False, "fused_mlp": False, "fused_confidence": False}
+    assert fused_fields(parse(["generate", "x"])) == dict.fromkeys(names, None)
+    assert fused_fields(parse(["generate", "x", "--fused"])) == dict.fromkeys(names, True)
+    assert fused_fields(parse(["generate", "x", "--no-fused"])) == dict.fromkeys(names, False)
+    assert fused_fields(parse(["generate", "x", "--fused-moe"])) == dict(dict.fromkeys(names, None), fused_moe=True)
+    assert fused_fields(parse(["generate", "x", "--fused", "--no-fused-mlp"])) == dict(dict.fromkeys(names, True),
+                                                                                      fused_mlp=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -92,13 +92,15 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    # off by default until every policy has run with them on the H200 (BENCHMARKS.md section 16)
+    # on by default where they compile (a CUDA device with Triton): BENCHMARKS.md section 16
     for name in FUSED_KERNELS:
-        g.add_argument(f"--{name.replace('_', '-')}", action="store_true",
-                       help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: off)")
-    g.add_argument("--fused", action="store_true",
-                   help="every --fused-* kernel above (on the H200, all but --fused-mlp made a forward of `full` 2.3 x "
-                        "faster: BENCHMARKS.md section 16)")
+        g.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: on with a CUDA device and Triton, "
+                            "torch's path elsewhere)")
+    g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="--fused: every --fused-* kernel above, asked for (an error where one cannot run); --no-fused: "
+                        "torch's kernels everywhere (on the H200 the kernels made a forward of `full` 2.3 x faster: "
+                        "BENCHMARKS.md section 16)")
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
@@ -131,8 +133,8 @@ def engine_config(args) -> EngineConfig:
 
 def fused_fields(args) -> dict:
     """The Triton kernels' EngineConfig switches from the flags of add_execution_args (`oled bench` passes them on):
-    each --fused-* flag, or --fused for all."""
-    return {name: getattr(args, name) or args.fused for name in FUSED_KERNELS}
+    each --fused-*/--no-fused-* flag, else --fused/--no-fused for all, else None (the engine's default)."""
+    return {name: args.fused if getattr(args, name) is None else getattr(args, name) for name in FUSED_KERNELS}
 
 
 CPU_KERNEL_FIELDS = ("cpu_wake", "cpu_cost_feedback", "cpu_isa", "cpu_amx_min_tokens", "cpu_pin", "cpu_spin_us",

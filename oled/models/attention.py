@@ -31,9 +31,9 @@ class Attention(nn.Module):
         or the tables over every position (fused, self.fused); k_cache/v_cache [kv_heads, max_len, head_dim] of this
         layer.
 
-        Writes this chunk's K/V at its positions and attends over cache[:key_len] under `mask` (boolean, [T, key_len]
-        or [1, key_len]), which hides the padding past the chunk's last visible key: nothing here depends on where
-        the chunk sits, so a CUDA graph of it serves every chunk of the same shape.
+        Writes this chunk's K/V at its positions and attends over cache[:key_len] under `mask` (additive, 0 or -inf,
+        [T, key_len] or [1, key_len]), which hides the padding past the chunk's last visible key: nothing here
+        depends on where the chunk sits, so a CUDA graph of it serves every chunk of the same shape.
         """
         T = x.shape[0]
         if hasattr(self, "qkv"):

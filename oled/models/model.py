@@ -82,15 +82,17 @@ class MoEDiffusionLM(nn.Module):
 
     def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
                        block_length: int) -> torch.Tensor:
-        """Boolean mask over keys [0, key_len): key j is visible to the query at position p iff j < kv_end and, for
-        block-causal models, block(j) <= block(p) in blocks of the request's `block_length` (the official generate()
-        builds its mask from the block length it decodes with). Built on the device from device tensors, so it is
-        part of a replayed graph rather than baked into it (only the block length is a constant of the graph)."""
+        """Additive mask over keys [0, key_len) in the model dtype (0: visible, -inf: hidden): key j is visible to
+        the query at position p iff j < kv_end and, for block-causal models, block(j) <= block(p) in blocks of the
+        request's `block_length` (the official generate() builds its mask from the block length it decodes with).
+        Built on the device from device tensors, so it is part of a replayed graph rather than baked into it (only
+        the block length is a constant of the graph). Additive rather than boolean because attention would turn a
+        boolean mask into this one in every layer (three launches each); the values are the same."""
         keys = torch.arange(key_len, device=positions.device)
         mask = (keys < kv_end)[None, :]
         if self.config.block_causal:
             mask = mask & block_causal_mask(positions, keys, block_length)
-        return mask
+        return torch.zeros((), dtype=self.embed.weight.dtype, device=mask.device).where(mask, float("-inf"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, kv_cache, kv_end: int | None = None,

@@ -92,6 +92,9 @@ class ExpertManager:
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
+        # every expert resident for good (a static policy, or a budget that holds them all): the forward needs no
+        # host step, so it is the all-resident forward (one graph), whatever the policy
+        self.all_resident = policy.static_full or self.residency.holds_everything
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
         self.slot_map = self.cache.slot_table(self.config.num_experts)
@@ -105,8 +108,8 @@ class ExpertManager:
         # replaying the read-back writes where the host step reads
         self._readback: dict[tuple[int, int], tuple] = {}
         self._buffers: dict[str, torch.Tensor] = {}
-        self._routing_log: list[tuple[int, torch.Tensor]] = []   # static path: routing kept on device until the
-                                                                 # forward ends, then recorded in one transfer
+        self._routing_log: list[tuple] = []       # all-resident path: (layer, ids, weights) kept on device until
+                                                  # the forward ends, then recorded in one transfer
         # Set while a segmented CUDA graph is captured (decoding/graphs.py): called instead of run_offloaded.
         self.host_boundary = None
 
@@ -183,9 +186,9 @@ class ExpertManager:
         """Output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), + shared(x) when the layer has a
         shared expert (a callable on x). The manager runs the shared expert where it costs least: in an offloaded
         layer, on the GPU while the host decides the misses."""
-        if self.policy.static_full:
+        if self.all_resident:
             y_pairs = self._grouped_all(layer, x, ids)      # every expert is resident: one wave
-            self._routing_log.append((layer, ids))
+            self._routing_log.append((layer, ids, weights))
             return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
             return self.host_boundary(layer, x, ids, weights, shared)
@@ -442,16 +445,19 @@ class ExpertManager:
         self._routing_log.extend(routing)
 
     def end_forward(self) -> None:
-        """Record the static path's routing (one device-to-host transfer per forward)."""
+        """Record the all-resident path's routing (one device-to-host transfer per forward; the routing weights in
+        a second one for a policy that is not static)."""
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(0.0)
         if not self._routing_log:
             return
-        layers = [layer for layer, _ in self._routing_log]
-        host = torch.stack([ids for _, ids in self._routing_log]).cpu().numpy()
-        self._routing_log.clear()
-        for layer, ids in zip(layers, host):
-            self.residency.record_static(layer, ids)
+        log, static = self._routing_log, self.policy.static_full
+        layers = [layer for layer, _, _ in log]
+        ids_h = torch.stack([ids for _, ids, _ in log]).cpu().numpy()
+        weights_h = [None] * len(log) if static else torch.stack([w.float() for _, _, w in log]).cpu().numpy()
+        log.clear()
+        for layer, ids, weights in zip(layers, ids_h, weights_h):
+            self.residency.record_resident(layer, ids, weights)
 
     def on_iteration(self, event: IterationEvent) -> None:
         self.policy.on_iteration(event)

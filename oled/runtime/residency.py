@@ -50,11 +50,19 @@ class Residency:
         if policy.static_full and cache.capacity < num_experts:
             raise ValueError(f"policy {policy.name!r} needs every expert resident: use --expert-budget 1.0")
 
+    @property
+    def holds_everything(self) -> bool:
+        """The budget holds every expert: all are placed at the start (whatever the policy), so no layer can miss
+        and the manager runs the all-resident path, the policy learning each layer's routing after the forward."""
+        return self.cache.capacity >= self.num_experts
+
     def place_initial(self) -> list[tuple[int, list[int], list[int]]]:
-        """Insert the policy's initial placement; returns (layer, experts, slots) for the caller to fill."""
+        """Insert the policy's initial placement (every expert when the budget holds them all); returns (layer,
+        experts, slots) for the caller to fill."""
         placed = []
         for layer in self.layers:
-            experts = self.policy.initial_placement(layer)[: self.cache.capacity]
+            experts = (list(range(self.num_experts)) if self.holds_everything
+                       else self.policy.initial_placement(layer)[: self.cache.capacity])
             placed.append((layer, experts, [self.cache.insert(layer, e) for e in experts]))
         return placed
 
@@ -139,6 +147,15 @@ class Residency:
         resident_after = self.cache.resident(step.layer)
         step.rec.resident = len(resident_after)
         step.rec.resident_used = sum(1 for e in step.demand if e in resident_after)
+
+    def record_resident(self, layer: int, ids: np.ndarray, weights: np.ndarray | None) -> None:
+        """A layer that ran on the all-resident path (holds_everything, or a static policy), once its forward ended:
+        a static policy's statistics; another policy gets the layer's event (every expert a hit, so its decision
+        has nothing to load) and the statistics an offloaded layer records."""
+        if self.policy.static_full:
+            self.record_static(layer, ids)
+            return
+        self.end_layer(self.begin_layer(layer, ids, weights))
 
     def record_static(self, layer: int, ids: np.ndarray) -> None:
         """Statistics of a layer under a static all-resident policy (no decisions: every pair is a hit)."""

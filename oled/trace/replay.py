@@ -70,13 +70,14 @@ class ReplayManager:
 
     def replay(self) -> RunStats:
         t, policy, res = self.trace, self.policy, self.residency
-        static_log: list[tuple[int, np.ndarray]] = []
+        static_log: list[tuple[int, np.ndarray, np.ndarray]] = []
+        all_resident = policy.static_full or res.holds_everything      # as the live manager's all-resident path
         forward = -1
         for op, arg in t.ops.tolist():
             if op == RUN:
                 layer, ids = int(t.run_layer[arg]), t.run_ids(arg).astype(np.int64)
-                if policy.static_full:
-                    static_log.append((layer, ids))
+                if all_resident:
+                    static_log.append((layer, ids, t.run_weights(arg).copy()))
                     continue
                 predicted = None
                 if policy.wants_prediction and (nxt := res.next_layer(layer)) is not None:
@@ -88,8 +89,8 @@ class ReplayManager:
                 scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
                 res.begin_forward(t.forward_info(forward), cpu_scale=scale)
             elif op == END:
-                for layer, ids in static_log:
-                    res.record_static(layer, ids)
+                for layer, ids, weights in static_log:
+                    res.record_resident(layer, ids, weights)
                 static_log.clear()
             elif op == EVENT:
                 policy.on_iteration(t.event(arg))
