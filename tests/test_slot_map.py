@@ -74,6 +74,42 @@ def test_a_budget_that_holds_every_expert_runs_the_all_resident_forward():
     assert summary["hit_rate_tokens"] == 1.0 and summary["h2d_gb_per_iteration"] == 0
 
 
+def test_the_all_resident_host_work_runs_behind_the_next_forward_and_in_order():
+    """Inside a request (manager.overlapped) an all-resident forward's host work (its start, its routing's records and
+    policy events, the iteration's event) is done once the next forward is queued: while a forward runs, the policy
+    has seen one iteration fewer than without the overlap; the events, their order, the statistics and the tokens
+    are the same."""
+    import contextlib
+
+    def run(overlap: bool):
+        llm = make_llm("lru", "1.0")
+        m, policy = llm.engine.manager, llm.engine.manager.policy
+        seen, during = [], []
+        for name in ("on_forward", "decide", "on_iteration"):
+            inner = getattr(policy, name)
+
+            def wrapped(arg, inner=inner, name=name):
+                seen.append((name, getattr(arg, "layer", None)))
+                return inner(arg)
+            setattr(policy, name, wrapped)
+        model_run = llm.engine.model.run
+
+        def counting_run(*a, **k):
+            during.append(sum(1 for name, _ in seen if name == "on_iteration"))
+            return model_run(*a, **k)
+        llm.engine.model.run = counting_run
+        if not overlap:
+            m.overlapped = contextlib.nullcontext
+        out = llm.generate(PROMPT, gen_length=48)
+        return out.token_ids, seen, during, m.stats.to_rows()
+
+    tokens, seen, during, rows = run(True)
+    tokens_now, seen_now, during_now, rows_now = run(False)
+    assert tokens == tokens_now and seen == seen_now and rows == rows_now
+    assert len(during) == len(during_now) > 3 and during_now[0] == 0
+    assert during == [0] + [n - 1 for n in during_now[1:]]         # one iteration's event still queued
+
+
 def test_nothing_missing_means_no_wave_after_the_hits():
     """With every expert resident the hits computed from the device slot map are the whole layer: no first-wave
     compute, no slot buffer written, no row of the map copied (the offloaded path, which 100 % does not take)."""

@@ -103,6 +103,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
             commits.begin_forward(info)
         manager.begin_forward(info)
         out = run(ids, start, kv, kv_end, rows, **kwargs)
+        manager.launched()                        # host work queued behind the forward (all-resident path)
         if kind == "iteration":
             result.nfe += 1
         else:
@@ -111,76 +112,78 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
         return out
 
     manager.on_request_start()
-    t0 = time.perf_counter()
-    blocks = procedure.blocks(P, params.gen_length, B)
-    block_start, block_len = blocks[0].start, blocks[0].end - blocks[0].start   # the prefill's: the first block
-    mode.prefill(forward, canvas, procedure.prefill_end(P, B))
-    _sync(device)
-    t1 = time.perf_counter()
-    result.prefill_s = t1 - t0
-    iteration = 0
-    emitted = P
-    for block in blocks:
-        bs, be = block.start, block.end
-        block_start, block_len = bs, be - bs
-        schedule = procedure.schedule(block, params, B)
-        step = 0
-        while step < len(schedule):                   # every iteration commits at least one mask (or raises)
-            ws = procedure.window_start(canvas, block, mask_id)
-            masked = canvas[ws:be] == mask_id
-            if not masked.any():
+    with manager.overlapped():                    # the all-resident path's host work behind the GPU's
+        t0 = time.perf_counter()
+        blocks = procedure.blocks(P, params.gen_length, B)
+        block_start, block_len = blocks[0].start, blocks[0].end - blocks[0].start   # the prefill's: the first block
+        mode.prefill(forward, canvas, procedure.prefill_end(P, B))
+        _sync(device)
+        t1 = time.perf_counter()
+        result.prefill_s = t1 - t0
+        iteration = 0
+        emitted = P
+        for block in blocks:
+            bs, be = block.start, block.end
+            block_start, block_len = bs, be - bs
+            schedule = procedure.schedule(block, params, B)
+            step = 0
+            while step < len(schedule):                   # every iteration commits at least one mask (or raises)
+                ws = procedure.window_start(canvas, block, mask_id)
+                masked = canvas[ws:be] == mask_id
+                if not masked.any():
+                    break
+                if cancelled is not None and cancelled():
+                    result.finish_reason = "cancelled"
+                    break
+                logits = mode.block_logits(forward, canvas, ws, be, step)
+                x0, conf = predict(logits, params.temperature, generator)
+                manager.end_forward()                     # its routing's copy queued before the read-back waits
+                host = torch.stack([x0.double(), conf.double()]).cpu().numpy()
+                x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
+                bad = masked & ~np.isfinite(host[1])
+                if bad.any():
+                    raise NonFiniteError(f"the model produced a non-finite prediction at position "
+                                         f"{ws + int(np.flatnonzero(bad)[0])} (block {block.index}, iteration {step}): "
+                                         f"its weights or activations hold NaN or Inf")
+                if commits is None:
+                    commit = rule.select(conf_h, schedule[step])
+                else:
+                    commit, x0_h, conf_h = commits.iteration(block.index, step, ws, bs, masked)
+                canvas[ws:be][commit] = x0_h[commit]
+                result.committed += int(commit.sum())
+                inside = slice(bs - ws, None)                 # the event describes the block's own positions
+                state = np.where(commit[inside], IterationEvent.COMMITTED,
+                                 np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
+                done = not (canvas[bs:be] == mask_id).any()
+                manager.on_iteration(IterationEvent(block=block.index, step=step, iteration=iteration, state=state,
+                                                    confidence=conf_h[inside], block_done=done,
+                                                    tokens=canvas[bs:be].copy()))
+                iteration += 1
+                step += 1
+            if result.finish_reason == "cancelled":
                 break
-            if cancelled is not None and cancelled():
-                result.finish_reason = "cancelled"
+            mode.finish_block(forward, canvas, bs, be)
+            result.iterations_per_block.append(step)
+            new_end = min(be, P + params.gen_length)
+            out = canvas[P:new_end].tolist()
+            eos_at = out.index(eos_id) if eos_id in out else -1
+            result.token_ids = out[: eos_at + 1] if eos_at >= 0 else out
+            upto = P + len(result.token_ids)
+            new = canvas[emitted:upto].tolist()
+            emitted = max(emitted, upto)
+            # Stop after a block holding EOS, as LLaDA2's generate() does. LLaDA's runs every block, but the later ones
+            # cannot change a token before the first EOS once no mask is left before it (only a prompt's mask tokens
+            # can leave one: they compete for a block's commits).
+            settled = not (canvas[P:upto] == mask_id).any()
+            finished = (eos_at >= 0 and settled) or new_end >= P + params.gen_length
+            if on_block is not None:
+                on_block(new, finished)
+            if finished:
+                result.finish_reason = "stop" if eos_at >= 0 else "length"
                 break
-            logits = mode.block_logits(forward, canvas, ws, be, step)
-            x0, conf = predict(logits, params.temperature, generator)
-            host = torch.stack([x0.double(), conf.double()]).cpu().numpy()
-            manager.end_forward()
-            x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
-            bad = masked & ~np.isfinite(host[1])
-            if bad.any():
-                raise NonFiniteError(f"the model produced a non-finite prediction at position "
-                                     f"{ws + int(np.flatnonzero(bad)[0])} (block {block.index}, iteration {step}): "
-                                     f"its weights or activations hold NaN or Inf")
-            if commits is None:
-                commit = rule.select(conf_h, schedule[step])
-            else:
-                commit, x0_h, conf_h = commits.iteration(block.index, step, ws, bs, masked)
-            canvas[ws:be][commit] = x0_h[commit]
-            result.committed += int(commit.sum())
-            inside = slice(bs - ws, None)                 # the event describes the block's own positions
-            state = np.where(commit[inside], IterationEvent.COMMITTED,
-                             np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
-            done = not (canvas[bs:be] == mask_id).any()
-            manager.on_iteration(IterationEvent(block=block.index, step=step, iteration=iteration, state=state,
-                                                confidence=conf_h[inside], block_done=done,
-                                                tokens=canvas[bs:be].copy()))
-            iteration += 1
-            step += 1
-        if result.finish_reason == "cancelled":
-            break
-        mode.finish_block(forward, canvas, bs, be)
-        result.iterations_per_block.append(step)
-        new_end = min(be, P + params.gen_length)
-        out = canvas[P:new_end].tolist()
-        eos_at = out.index(eos_id) if eos_id in out else -1
-        result.token_ids = out[: eos_at + 1] if eos_at >= 0 else out
-        upto = P + len(result.token_ids)
-        new = canvas[emitted:upto].tolist()
-        emitted = max(emitted, upto)
-        # Stop after a block holding EOS, as LLaDA2's generate() does. LLaDA's runs every block, but the later ones
-        # cannot change a token before the first EOS once no mask is left before it (only a prompt's mask tokens
-        # can leave one: they compete for a block's commits).
-        settled = not (canvas[P:upto] == mask_id).any()
-        finished = (eos_at >= 0 and settled) or new_end >= P + params.gen_length
-        if on_block is not None:
-            on_block(new, finished)
-        if finished:
-            result.finish_reason = "stop" if eos_at >= 0 else "length"
-            break
-    _sync(device)
-    result.decode_s = time.perf_counter() - t1
+        manager.flush()
+        _sync(device)
+        result.decode_s = time.perf_counter() - t1
     if commits is not None and result.finish_reason != "cancelled":
         commits.end_request(result.token_ids)
     return result

@@ -10,6 +10,7 @@ With a static all-resident policy (`full`) there is nothing to decide and no hos
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ class ExpertManager:
                                                   # the forward ends, then recorded in one transfer
         # Set while a segmented CUDA graph is captured (decoding/graphs.py): called instead of run_offloaded.
         self.host_boundary = None
+        self._overlap = False                     # inside overlapped(): host work queued (see there)
+        self._deferred: list[tuple] = []
 
     # ----------------------------------------------------------------------------------------------- placement
     def _place_initial(self) -> None:
@@ -425,7 +428,37 @@ class ExpertManager:
         y_pairs.index_copy_(0, pair_idx.to(y_pairs.device), out.to(y_pairs.device, y_pairs.dtype))
 
     # ------------------------------------------------------------------------------------------ loop events
+    # On the all-resident path nothing in a forward waits for the host, so inside `overlapped()` the host's share of
+    # each forward (its start, its routing's statistics and policy events, the iteration's event) is queued and done
+    # once the loop has queued the next forward (`launched`), while the GPU runs it: the policy still sees every
+    # event in order, one forward late.
+    @contextlib.contextmanager
+    def overlapped(self):
+        """A request's forwards, with the all-resident path's host work done behind the next forward; everything
+        queued is done on the way out, error or not."""
+        self._overlap = self.all_resident
+        try:
+            yield self
+        finally:
+            self._overlap = False
+            self.flush()
+
+    def launched(self) -> None:
+        """The loop has queued a forward: do the host work queued before it."""
+        self.flush()
+
+    def flush(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for work, arg in deferred:
+            work(arg)
+
     def begin_forward(self, info: ForwardInfo) -> None:
+        if self._overlap:
+            self._deferred.append((self._begin_forward, info))
+        else:
+            self._begin_forward(info)
+
+    def _begin_forward(self, info: ForwardInfo) -> None:
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -434,33 +467,58 @@ class ExpertManager:
     def routing_mark(self) -> int:
         return len(self._routing_log)
 
-    def take_routing(self, mark: int) -> list[tuple[int, torch.Tensor]]:
+    def take_routing(self, mark: int) -> list[tuple]:
         """Remove and return the routing logged since `mark` (a CUDA graph capture keeps it to hand back)."""
         taken = self._routing_log[mark:]
         del self._routing_log[mark:]
         return taken
 
-    def log_routing(self, routing: list[tuple[int, torch.Tensor]]) -> None:
+    def log_routing(self, routing: list[tuple]) -> None:
         """Routing produced by a graph replay: the same device tensors every replay, read by end_forward."""
         self._routing_log.extend(routing)
 
     def end_forward(self) -> None:
-        """Record the all-resident path's routing (one device-to-host transfer per forward; the routing weights in
-        a second one for a policy that is not static)."""
+        """Record the all-resident path's routing: one device-to-host copy per forward (the routing weights in a
+        second one for a policy that is not static), into pinned buffers; inside `overlapped()` it is recorded once
+        the next forward is queued (the copy is ordered before that forward overwrites a graph's routing)."""
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(0.0)
         if not self._routing_log:
             return
-        log, static = self._routing_log, self.policy.static_full
+        self.flush()                          # an earlier forward's records first: they read the same buffers
+        log, self._routing_log = self._routing_log, []
         layers = [layer for layer, _, _ in log]
-        ids_h = torch.stack([ids for _, ids, _ in log]).cpu().numpy()
-        weights_h = [None] * len(log) if static else torch.stack([w.float() for _, _, w in log]).cpu().numpy()
-        log.clear()
+        ids = torch.stack([ids for _, ids, _ in log])
+        host = [self._staging(f"routing_log.ids.{tuple(ids.shape)}", ids.shape, ids.dtype)]
+        host[0].copy_(ids, non_blocking=self.cuda)
+        if not self.policy.static_full:
+            weights = torch.stack([w.float() for _, _, w in log])
+            host.append(self._staging(f"routing_log.weights.{tuple(weights.shape)}", weights.shape, weights.dtype))
+            host[1].copy_(weights, non_blocking=self.cuda)
+        copied = None
+        if self.cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        record = (layers, host, copied)
+        if self._overlap:
+            self._deferred.append((self._record_routing, record))
+        else:
+            self._record_routing(record)
+
+    def _record_routing(self, record) -> None:
+        layers, host, copied = record
+        if copied is not None:
+            copied.synchronize()
+        ids_h = host[0].numpy()
+        weights_h = host[1].numpy() if len(host) > 1 else [None] * len(layers)
         for layer, ids, weights in zip(layers, ids_h, weights_h):
-            self.residency.record_resident(layer, ids, weights)
+            self.residency.record_resident(layer, ids.copy(), None if weights is None else weights.copy())
 
     def on_iteration(self, event: IterationEvent) -> None:
-        self.policy.on_iteration(event)
+        if self._overlap:
+            self._deferred.append((self.policy.on_iteration, event))
+        else:
+            self.policy.on_iteration(event)
 
     def on_request_start(self) -> None:
         self.policy.on_request_start()
