@@ -300,3 +300,31 @@ def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_pat
     assert full["ttft_over_bound"] == full["prefill_over_bound"] == 1.0
     assert half["ttft_bound_s"] == full["ttft_s"] and half["prefill_bound_s"] == full["prefill_s"]
     assert half["ttft_over_bound"] == half["ttft_s"] / full["ttft_s"]
+
+
+def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
+    """benchmarks/merge_grids.py: a later folder's run replaces an earlier one's of the same run id and mode; the
+    others are kept; sources.json says where each came from; the report renders."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("merge_grids", root / "benchmarks" / "merge_grids.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    rows = [json.loads(line) for line in open(root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    for d in (first, second):
+        d.mkdir()
+    (first / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    newer = dict(rows[1], timestamp="later")
+    (second / "results.jsonl").write_text(json.dumps(newer) + "\n")
+    out = tmp_path / "merged"
+    assert merge.main([str(first), str(second), "--out", str(out)]) == 0
+    merged = [json.loads(line) for line in open(out / "results.jsonl")]
+    assert [r["run_id"] for r in merged] == [r["run_id"] for r in rows[:3]]
+    assert merged[1]["timestamp"] == "later" and merged[0] == rows[0] and merged[2] == rows[2]
+    sources = json.loads((out / "sources.json").read_text())
+    assert [s["from"] for s in sources] == [str(first), str(second), str(first)]
+    assert "TPOT" in (out / "report.md").read_text()
