@@ -1,8 +1,10 @@
 """Where the offloaded forward's time goes per MoE layer, against the all-resident forward (H200).
 
 For each POLICY@BUDGET: one warm-up generate, then a timed one with perf_counter around the manager's host steps
-(reading the routing back, which includes waiting for its read-back; the residency's decisions; the rest of the two host
-steps) and around whole forwards, then one generate under torch.profiler for GPU kernel time, launches and the
+(reading the routing back, which includes waiting for its read-back; the residency's decisions; the waves' copies and
+stream waits, the device slot map's rows, the pinned staging buffers, the layer events, a graph segment's launch;
+nested: a step's time includes those inside it) and around whole forwards, then one generate under torch.profiler
+(the methods unwrapped again) for GPU kernel time, launches and the
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
@@ -36,9 +38,20 @@ class HostClock:
     def __init__(self):
         self.total = defaultdict(float)
         self.calls = defaultdict(int)
+        self.wrapped: list[tuple] = []
+
+    def restore(self) -> None:
+        """Put back what wrap() replaced (a class's method stays wrapped otherwise, run after run)."""
+        for obj, attr, inner in reversed(self.wrapped):
+            if isinstance(obj, type):
+                setattr(obj, attr, inner)
+            else:
+                delattr(obj, attr)          # the instance's attribute shadowed its class's
+        self.wrapped.clear()
 
     def wrap(self, obj, attr: str, name: str):
-        inner = getattr(obj, attr)
+        inner = obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)
+        self.wrapped.append((obj, attr, inner))
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -60,11 +73,23 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
     clock.wrap(m, "_read_routing", "read_routing (waits for the read-back)")
     clock.wrap(m.residency, "begin_layer", "residency.begin_layer (policy)")
     clock.wrap(m, "_issue_wave", "issue_wave")
+    # inside the two host steps: what is left of them beside the read-back, the policy and the waves
+    clock.wrap(m, "_copy", "copy (H2D copies issued)")
+    clock.wrap(m, "_wait_copies", "wait_copies (stream waits on copy events)")
+    clock.wrap(m, "_sync_slot_map", "sync_slot_map (device slot map rows)")
+    clock.wrap(m, "_mark_layer_done", "mark_layer_done (layer events)")
+    clock.wrap(m.residency, "prefetch", "residency.prefetch")
+    clock.wrap(m.residency, "end_layer", "residency.end_layer")
+    clock.wrap(m, "_staging", "staging (pinned host buffers)")
+    if engine.graphs is not None:       # a segment's replay: one launch, so this is the host's cost of launching it
+        from oled.decoding.graphs import _CudaSegment
+        clock.wrap(_CudaSegment, "replay", "graph segment replay (launch)")
     m.stats.reset()
     t0 = time.perf_counter()
     res = engine.generate_ids(prompt_ids, params)
     sync()
     wall = time.perf_counter() - t0
+    clock.restore()
     unique = m.stats.summary()["unique_experts_per_layer_iteration"]
     nfe = res.nfe
     host = {k: v / nfe * 1e3 for k, v in clock.total.items()}

@@ -328,3 +328,29 @@ def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
     sources = json.loads((out / "sources.json").read_text())
     assert [s["from"] for s in sources] == [str(first), str(second), str(first)]
     assert "TPOT" in (out / "report.md").read_text()
+
+
+def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
+    """benchmarks/offload_overhead.py on the tiny preset, on the CPU: per-forward host times of the wrapped steps
+    (the policy's step inside host step one), and every wrapped method restored after the timed generate."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.config import EngineConfig
+    from oled.decoding.params import DecodeParams
+    from oled.engine import Engine
+    from oled.runtime.manager import ExpertManager
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_overhead.py"
+    spec = importlib.util.spec_from_file_location("offload_overhead", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = Engine(EngineConfig(random_weights="tiny", device="cpu", dtype="float32", policy="lru",
+                                 expert_budget="0.25"))
+    sync_slot_map = ExpertManager.__dict__["_sync_slot_map"]
+    out = bench.measure(engine, engine.tokenizer.encode("def f(x):"), DecodeParams(gen_length=16, block_length=16),
+                        "lru@0.25", float("nan"), top=5)
+    host = out["host_ms_per_forward"]
+    assert host["decide_offloaded (host step one)"] >= host["residency.begin_layer (policy)"] > 0
+    assert out["calls_per_forward"]["decide_offloaded (host step one)"] == len(engine.manager.layers)
+    assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
