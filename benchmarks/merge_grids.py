@@ -1,6 +1,7 @@
 """One grid from the result lines of several `oled bench` folders, a later folder's run replacing an earlier one's of
-the same run id (workload, policy, budget) and mode (live, bound); writes OUT/results.jsonl, OUT/sources.json (where each run came from) and
-OUT/report.md (no plots). For a grid measured in parts: e.g. a full grid, then the rows a later change affects.
+the same run id (workload, policy, budget) and mode (live, bound); writes OUT/results.jsonl, OUT/sources.json
+(where each run came from) and OUT/report.md (no plots). For a grid measured in parts: e.g. a full grid, then the
+rows a later change affects.
 
     python benchmarks/merge_grids.py DIR [DIR ...] --out OUT
 """

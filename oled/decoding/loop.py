@@ -152,8 +152,8 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
                 canvas[ws:be][commit] = x0_h[commit]
                 result.committed += int(commit.sum())
                 inside = slice(bs - ws, None)                 # the event describes the block's own positions
-                state = np.where(commit[inside], IterationEvent.COMMITTED,
-                                 np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)).astype(np.int8)
+                still = np.where(masked[inside], IterationEvent.MASKED, IterationEvent.DECODED)
+                state = np.where(commit[inside], IterationEvent.COMMITTED, still).astype(np.int8)
                 done = not (canvas[bs:be] == mask_id).any()
                 manager.on_iteration(IterationEvent(block=block.index, step=step, iteration=iteration, state=state,
                                                     confidence=conf_h[inside], block_done=done,
