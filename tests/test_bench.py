@@ -354,3 +354,14 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     assert host["decide_offloaded (host step one)"] >= host["residency.begin_layer (policy)"] > 0
     assert out["calls_per_forward"]["decide_offloaded (host step one)"] == len(engine.manager.layers)
     assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
+
+
+def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
+    """ms/forward = decode wall time / NFE, per repeat: TPOT x generated tokens / NFE, so runs that decode another
+    number of forwards compare per forward."""
+    _, rows = live
+    for r in (r for r in rows if r["mode"] == "live"):
+        m = r["metrics"]
+        for tpot, gen, nfe, per_forward in zip(m["tpot_ms"]["values"], m["generated_tokens"]["values"],
+                                              m["nfe"]["values"], m["ms_per_forward"]["values"]):
+            assert nfe > 0 and abs(per_forward - tpot * gen / nfe) < 1e-9 * max(1.0, per_forward)

@@ -9,6 +9,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                               "summed over the workload's prompts"),
     "tokens_per_s": ("tokens/s", "tok/s", "generated tokens / decode wall time"),
     "prefill_ms": ("prefill", "ms", "prompt prefill wall time, mean per prompt"),
+    "ms_per_forward": ("ms/forward", "ms", "decode wall time / denoising forwards: the cost of a forward, comparable "
+                                          "between runs that decode different sequences (another NFE)"),
     "nfe": ("NFE", "", "denoising forwards (network function evaluations) over the workload"),
     "tpf": ("TPF", "tok/fwd", "tokens committed per denoising forward"),
     "iterations_per_block": ("iters/block", "", "denoising iterations per block, mean"),
@@ -41,7 +43,7 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                "tokens for the same prompt (length differences count as mismatches)"),
     "identical_outputs": ("identical outputs", "", "fraction of prompts whose output equals the reference exactly"),
 }
-TIMING = ("tpot_ms", "tokens_per_s", "prefill_ms")
+TIMING = ("tpot_ms", "tokens_per_s", "prefill_ms", "ms_per_forward")
 
 
 def aggregate(values: list) -> dict:
@@ -77,6 +79,7 @@ def repeat_metrics(results, summary: dict, reference) -> dict:
         "tokens_per_s": gen / dec if dec > 0 else None,
         "prefill_ms": sum(r.prefill_s for r in results) / max(len(results), 1) * 1e3,
         "nfe": nfe,
+        "ms_per_forward": dec / nfe * 1e3 if nfe else None,
         "tpf": sum(r.committed for r in results) / max(nfe, 1),
         "iterations_per_block": sum(blocks) / len(blocks) if blocks else None,
         "generated_tokens": gen,
