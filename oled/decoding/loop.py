@@ -63,8 +63,8 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
              cancelled=None, graphs=None, commits=None, predict=predict) -> GenerationResult:
     """Decode one request. on_block(new_token_ids, finished) is called as each block commits (streaming);
     cancelled() -> True stops at the next iteration (client gone). graphs: a ForwardGraphs that replays forwards
-    whose shapes repeat (given for static expert placements on CUDA). commits: a commit source (a TraceSource, its
-    request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs.
+    whose shapes repeat (on CUDA). commits: a commit source (a TraceSource, its request begun) whose recorded
+    commits, tokens and confidences replace the rule's; the model still runs.
     predict: logits -> (x0, confidence) on the device (rules.predict, or the Triton kernel's drop-in)."""
     config: ModelConfig = model.config
     device = model.embed.weight.device
