@@ -155,7 +155,7 @@ if has overhead; then
   # OVERHEAD_MODES: "fused" (OVERHEAD_FUSED, default --fused: every Triton kernel, the engine's default on CUDA)
   # and/or "plain" (torch's kernels), one JSON each
   for mode in ${OVERHEAD_MODES:-fused plain}; do
-    flags=""; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused}
+    flags=--no-fused; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused}
     timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
       --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \
       --out $R/offload_overhead-$mode.json > $R/overhead-$mode.log 2>&1; echo "overhead ($mode) rc=$?"

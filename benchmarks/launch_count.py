@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,9 +68,9 @@ def count_launches():
 
 
 def fused_fields() -> list[str]:
-    from oled.config import EngineConfig
+    from oled.config import FUSED_KERNELS
 
-    return [f.name for f in dataclasses.fields(EngineConfig) if f.name.startswith("fused_")]
+    return list(FUSED_KERNELS)
 
 
 def count_forward(kernels: list[str], preset="tiny", dtype="bfloat16", gen_length=32, policy="full",

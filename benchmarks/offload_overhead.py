@@ -8,7 +8,8 @@ nested: a step's time includes those inside it) and around whole forwards, then 
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4] [--fused | --fused-router --fused-moe --fused-norm --fused-mlp --fused-confidence]
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4]
+        [--fused | --no-fused | --[no-]fused-router ...]
         [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from oled.bench.floor import measure_hbm_bandwidth, weight_bytes_per_iteration
-from oled.config import FUSED_KERNELS, EngineConfig
+from oled.cli.common import add_fused_args, fused_fields
+from oled.config import EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 
@@ -129,15 +131,12 @@ def main():
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
-    for name in FUSED_KERNELS:
-        flag = f"--{name.replace('_', '-')}"
-        ap.add_argument(flag, action="store_true", help=f"the engine's {flag}")
-    ap.add_argument("--fused", action="store_true", help="every --fused-* kernel (the engine's --fused)")
+    add_fused_args(ap)                        # the engine's --[no-]fused flags, its default where none is given
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(random_weights=args.preset, layers=args.layers, policy="full", expert_budget="1.0",
-                                 **{name: getattr(args, name) or args.fused for name in FUSED_KERNELS}))
+                                 **fused_fields(args)))
     hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")

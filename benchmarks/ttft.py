@@ -24,7 +24,8 @@ import time
 import numpy as np
 import torch
 
-from oled.config import FUSED_KERNELS, EngineConfig
+from oled.cli.common import add_fused_args, fused_fields
+from oled.config import EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 from oled.runtime.cost_model import h2d_gbps
@@ -76,11 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", default="32,512,2048")
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                    help="every Triton kernel (--fused) or none (--no-fused); default: the engine's (on with CUDA)")
+    add_fused_args(ap)                        # the engine's --[no-]fused flags, its default where none is given
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    kernels = dict.fromkeys(FUSED_KERNELS, args.fused)
+    kernels = fused_fields(args)
     engine = Engine(EngineConfig(random_weights=args.random_weights, layers=args.layers, device=args.device,
                                  policy="full", **kernels))
     gbps = h2d_gbps(engine.store, engine.device) if engine.device.type == "cuda" else float("nan")

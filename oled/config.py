@@ -39,7 +39,7 @@ class EngineConfig:
     cpu_prefetch: bool = True             # software prefetch of the next weight tiles
     cpu_prefetch_distance: int = 4        # tiles ahead
     pin_memory: bool = True
-    cuda_graphs: bool = True              # replay repeated forwards of static placements (full) as CUDA graphs
+    cuda_graphs: bool = True              # replay repeated all-resident forwards as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from .config import FUSED_KERNELS, EngineConfig
+from .decoding import rules
 from .decoding.graphs import ForwardGraphs
 from .decoding.loop import GenerationResult, generate
-from .decoding import rules
 from .decoding.params import DecodeParams
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict, load_config

@@ -43,7 +43,6 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                "tokens for the same prompt (length differences count as mismatches)"),
     "identical_outputs": ("identical outputs", "", "fraction of prompts whose output equals the reference exactly"),
 }
-TIMING = ("tpot_ms", "tokens_per_s", "prefill_ms", "ms_per_forward")
 
 
 def aggregate(values: list) -> dict:

@@ -91,19 +91,24 @@ def add_execution_args(g) -> None:
                         "depend on timing)")
     g.add_argument("--no-pin", dest="pin_memory", action="store_false", help="do not pin host expert memory")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run every forward eagerly (default: replay repeated forwards of `full` as CUDA graphs)")
-    # on by default where they compile (a CUDA device with Triton): BENCHMARKS.md section 17
+                   help="run every forward eagerly (default: replay repeated all-resident forwards as CUDA graphs)")
+    add_fused_args(g)
+    g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
+                   help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
+                        "host round trips)")
+
+
+def add_fused_args(g) -> None:
+    """--[no-]fused-X for each Triton kernel and --[no-]fused for all of them; fused_fields turns them into the
+    EngineConfig fields (None where not given: on where they compile, BENCHMARKS.md section 17)."""
     for name in FUSED_KERNELS:
         g.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: on with a CUDA device and Triton, "
                             "torch's path elsewhere)")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                   help="--fused: every --fused-* kernel above, asked for (an error where one cannot run); --no-fused: "
-                        "torch's kernels everywhere (on the H200 the kernels made a forward of `full` 2.2-2.3 x faster: "
-                        "BENCHMARKS.md sections 16-17)")
-    g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
-                   help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
-                        "host round trips)")
+                   help="--fused: every --fused-* kernel above, asked for (an error where one cannot run); "
+                        "--no-fused: torch's kernels everywhere (on the H200 the kernels made a forward of `full` "
+                        "2.2-2.3 x faster: BENCHMARKS.md sections 16-17)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:

@@ -4,9 +4,10 @@ A forward's shapes depend only on its token count, its key length (padded to a b
 it wants logits for: positions and the visible key end are device tensors (MoEDiffusionLM.run), so every block's
 iterations share one graph, and so do the blocks' first forwards. With every expert resident (`full`, or any policy
 at a budget that holds them all) a forward needs no host decision, so it is captured once and replayed: one launch
-instead of ~90 kernel launches per layer issued from Python. On the H200 an eager 4-layer LLaDA2.0-mini forward takes 10.5 ms of host time for 1.7 ms of
-GPU work (benchmarks/profile_forward.py); replays took `full` there from 7.2 to 1.65 ms per token, and on the
-20-layer model from 14.6 (graphs per block position) to 9.3 ms per iteration (BENCHMARKS.md section 6).
+instead of ~90 kernel launches per layer issued from Python. On the H200 an eager 4-layer LLaDA2.0-mini forward
+takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py); replays took `full` there from
+7.2 to 1.65 ms per token, and on the 20-layer model from 14.6 (graphs per block position) to 9.3 ms per iteration
+(BENCHMARKS.md section 6).
 
 An offloaded forward needs the host twice per MoE layer: to decide (the routing picks copies and CPU jobs) and to
 finish (further waves, prefetches, CPU results). With `segmented` the forward is captured as segments that end

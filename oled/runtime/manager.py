@@ -6,7 +6,8 @@ which to compute on the CPU, issues the layer's copies together on the copy stre
 one grouped computation over the loaded slots (waiting only for this layer's copies), and the combine of every
 (token, expert) output in routing order, so the result does not depend on where an expert ran. The host's
 decisions overlap the hits' compute instead of holding the GPU idle.
-With a static all-resident policy (`full`) there is nothing to decide and no host round trip at all.
+With every expert resident (`full`, or any policy at a budget that holds them all) there is nothing to decide and
+no host round trip at all.
 """
 from __future__ import annotations
 
@@ -93,9 +94,7 @@ class ExpertManager:
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
-        # every expert resident for good (a static policy, or a budget that holds them all): the forward needs no
-        # host step, so it is the all-resident forward (one graph), whatever the policy
-        self.all_resident = policy.static_full or self.residency.holds_everything
+        self.all_resident = self.residency.all_resident     # the forward needs no host step: one graph
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
         self.slot_map = self.cache.slot_table(self.config.num_experts)

@@ -52,9 +52,14 @@ class Residency:
 
     @property
     def holds_everything(self) -> bool:
-        """The budget holds every expert: all are placed at the start (whatever the policy), so no layer can miss
-        and the manager runs the all-resident path, the policy learning each layer's routing after the forward."""
+        """The budget holds every expert: all are placed at the start (whatever the policy), so no layer can miss."""
         return self.cache.capacity >= self.num_experts
+
+    @property
+    def all_resident(self) -> bool:
+        """Every expert resident for good (a static policy, or a budget that holds them all): the forward needs no
+        host step (the all-resident path), and the policy learns each layer's routing after it (record_resident)."""
+        return self.policy.static_full or self.holds_everything
 
     def place_initial(self) -> list[tuple[int, list[int], list[int]]]:
         """Insert the policy's initial placement (every expert when the budget holds them all); returns (layer,
@@ -149,7 +154,7 @@ class Residency:
         step.rec.resident_used = sum(1 for e in step.demand if e in resident_after)
 
     def record_resident(self, layer: int, ids: np.ndarray, weights: np.ndarray | None) -> None:
-        """A layer that ran on the all-resident path (holds_everything, or a static policy), once its forward ended:
+        """A layer that ran on the all-resident path (all_resident), once its forward ended:
         a static policy's statistics; another policy gets the layer's event (every expert a hit, so its decision
         has nothing to load) and the statistics an offloaded layer records."""
         if self.policy.static_full:

@@ -71,7 +71,7 @@ class ReplayManager:
     def replay(self) -> RunStats:
         t, policy, res = self.trace, self.policy, self.residency
         static_log: list[tuple[int, np.ndarray, np.ndarray]] = []
-        all_resident = policy.static_full or res.holds_everything      # as the live manager's all-resident path
+        all_resident = res.all_resident           # as the live manager's all-resident path
         forward = -1
         for op, arg in t.ops.tolist():
             if op == RUN:
