@@ -1,11 +1,13 @@
 """Quick CUDA-path check on a few-layer model with LLaDA2.0-mini shapes: CUDA-graph replays of `full` give the eager
 forwards' tokens, every policy kind runs (GPU-only policies must agree with `full` token for token), and segmented
-graphs of offloaded forwards give the tokens of the same policy run eagerly.
+graphs of offloaded forwards give the tokens of the same policy run eagerly; with mapped misses (the fused MoE
+kernels reading misses from the pinned store) every policy, eager and replayed, gives `full`'s tokens.
 
     python benchmarks/h200_smoke.py [LAYERS] [PRESET] [quick] [fused]
 `fused`: with every Triton kernel (the engine's --fused).
 Exit status: 0 all good; 2 graph replays of `full` changed tokens (run later stages with --no-cuda-graphs); 1 a policy
-failed; 3 segmented graphs of offloaded forwards changed tokens (run with --no-offload-graphs).
+failed; 3 segmented graphs of offloaded forwards changed tokens (run with --no-offload-graphs); 4 a policy with
+mapped misses changed tokens.
 """
 import sys
 import time
@@ -25,6 +27,13 @@ llm = oled.LLM(random_weights=preset, layers=layers, policy="full", **FUSED)
 print(f"built in {time.time() - t:.1f}s: {llm.engine.describe()}", flush=True)
 
 
+def failed(what, e) -> int:
+    """Report a failed check and go on (this is a smoke check): its exit status."""
+    print(f"{what} FAILED: {type(e).__name__}: {e}", flush=True)
+    traceback.print_exc()
+    return 1
+
+
 def run(label):
     o = [llm.generate(PROMPT, gen_length=GEN) for _ in range(2)][-1]
     print(f"{label:18s} TPOT {o.counters['tpot_s'] * 1e3:7.2f} ms  nfe {o.counters['nfe']:4d} "
@@ -32,6 +41,7 @@ def run(label):
     return o.token_ids
 
 
+llm.engine.cfg.mapped_misses = False     # the host round trip's paths first; the mapped path at the end
 graphs, llm.engine.graphs = llm.engine.graphs, None
 eager = run("full (eager)")
 llm.engine.graphs = graphs
@@ -65,10 +75,8 @@ for policy, budget, options in POLICIES:
         if policy in ("lru", "prefetch", "oled-retain") and not options and toks != eager:
             print(f"{policy}: GPU-only policy changed tokens", flush=True)
             status = status or 1
-    except Exception as e:  # report and go on: this is a smoke check
-        status = status or 1
-        print(f"{policy} {budget} FAILED: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
+    except Exception as e:
+        status = status or failed(f"{policy} {budget}", e)
 # Segmented graphs of offloaded forwards (the default on CUDA): the same tokens as the same policy run eagerly.
 for policy, budget, options in SEGMENTED if graphs is not None else []:
     try:
@@ -86,9 +94,29 @@ for policy, budget, options in SEGMENTED if graphs is not None else []:
         if not same:
             status = status or 3
     except Exception as e:
-        status = status or 1
-        print(f"{policy} {budget} with segmented graphs FAILED: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
+        status = status or failed(f"{policy} {budget} with segmented graphs", e)
     finally:
         llm.engine.cfg.offload_graphs = False
+# Mapped misses: no policy computes on the CPU, and a pair's bits do not depend on where its expert's weights are
+# read from, so every policy gives full's tokens, eager and with graphs (one segment a forward).
+MAPPED = [] if not llm.engine.kernels["fused_moe"] else [("lru", "0.25")] + ([] if QUICK else [("oled", "0.25"),
+                                                                                                ("oled-coop", "0.4")])
+for policy, budget in MAPPED:
+    try:
+        llm.engine.cfg.mapped_misses = True
+        for offload_graphs in (False, True) if graphs is not None else (False,):
+            llm.engine.cfg.offload_graphs = offload_graphs
+            llm.engine.set_runtime(policy, budget)
+            toks = run(f"{policy} {budget} mapped {'graphs' if offload_graphs else 'eager'}")
+            s, g = llm.stats(), llm.engine.graphs
+            print(f"{'':18s} mapped pairs/iter {s.get('mapped_pairs_per_iteration', 0):.1f}, H2D GB/iter "
+                  f"{s.get('h2d_gb_per_iteration', 0):.3f}; graphs {g.captures if g else 0} captures, "
+                  f"{g.replays if g else 0} replays; tokens {'identical to' if toks == eager else 'DIFFERENT from'} "
+                  f"full", flush=True)
+            if toks != eager:
+                status = status or 4
+    except Exception as e:
+        status = status or failed(f"{policy} {budget} with mapped misses", e)
+    finally:
+        llm.engine.cfg.mapped_misses = llm.engine.cfg.offload_graphs = False
 sys.exit(status)

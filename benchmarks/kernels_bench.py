@@ -26,6 +26,12 @@ rotated), bf16: add_rms_norm against the residual add and RMSNorm, qk_norm_rope 
 (QK-norm, RoPE, the two index copies), combine_pairs against ExpertManager.combine (top-8); each must give the
 reference's bits on NORM_EQUAL_FRACTION of the elements and lie within NORM_MAX_REL of its largest value.
 
+Mapped: a decode step (32 tokens, 32 experts) over a layer whose 256 experts sit both in device slots and in a
+pinned host store, with m of the step's experts missing from the slot map (m in MAPPED_MISSES), so the kernels read
+them from host memory over PCIe: the call's time against m = 0, the mapped bytes' effective GB/s, and the copy
+engine's time to copy the same m blobs (what a load into slots costs before the compute can start); outputs must
+equal m = 0's bit for bit.
+
 Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
 2 no CUDA device or no Triton.
 """
@@ -41,7 +47,7 @@ from types import SimpleNamespace
 
 import torch
 
-CASES = ("router", "confidence", "moe", "norm")
+CASES = ("router", "confidence", "moe", "norm", "mapped")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -52,6 +58,7 @@ WEIGHT_RTOL, PROB_RTOL = 1e-6, 1e-5
 MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 2048, 512, 8       # LLaDA2.0-mini's routed experts
 MOE_SLOTS = (256, 103)                                 # a layer's slots at 100 % and 40 % of the experts
 MOE_ROUTING = ((32, 32), (32, 47), (64, 32), (64, 47))  # (tokens, unique experts) of a decode step
+MAPPED_MISSES = (0, 1, 2, 4, 8, 32)                    # of a decode step's 32 experts, read from pinned host memory
 # bf16, same rounding points, fp32 sums in another order: elements an ulp or two apart at most
 MOE_MAX_ERR, MOE_REL_L2 = 2**-6, 2**-9
 NORM_TOKENS = (32, 128)                                # decode chunks: a block, and a block with its neighbours
@@ -311,6 +318,54 @@ def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN
             "torch": counter(reference, args[0]), "fused": counter(fused, args[0]), "check": check}
 
 
+def mapped_case(misses, *, device, timer, counter, tokens=32, unique=32, experts=EXPERTS, hidden=MOE_HIDDEN,
+                inter=MOE_INTER, top_k=MOE_TOP_K, seed=0) -> dict:
+    """fused_swiglu_pairs with `misses` of the step's experts read from pinned host memory (host=), against every
+    expert in a device slot; and the copy engine's time for those blobs."""
+    from oled.kernels.triton_moe import fused_swiglu_pairs
+
+    g = torch.Generator().manual_seed(seed + misses)
+    store = torch.randn(experts, 3 * inter * hidden, generator=g).to(torch.bfloat16) * hidden**-0.5
+    store[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5
+    store = store.pin_memory() if torch.device(device).type == "cuda" else store
+    pool = store.to(device)                                          # every expert in slot = its id
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    ids = moe_routing(tokens, unique, experts, top_k, g).to(device)
+    used = torch.unique(ids)
+    gone = used[torch.randperm(len(used), generator=g)[:misses].to(device)]
+    every = torch.arange(experts, device=device)
+    slot_map = every.clone()
+    slot_map[gone] = -1
+    pairs = tokens * top_k
+
+    def run(slot_map, out):
+        fused_swiglu_pairs(x, ids, pool, hidden, inter, out, slot_map=slot_map, host=store)
+
+    want, got = (torch.full((pairs, hidden), math.nan, device=device, dtype=torch.bfloat16) for _ in range(2))
+    run(every, want)
+    run(slot_map, got)
+    bits = compare_bits(want, got)
+    check = {"equal_fraction": bits["equal_fraction"], "all_written": bool(torch.isfinite(got).all()),
+             "ok": bits["equal_fraction"] == 1.0 and bool(torch.isfinite(got).all())}
+    out = torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)
+    resident_us, mapped_us = timer(run, [(every, out)]), timer(run, [(slot_map, out)])
+    blobs = gone.cpu().tolist()
+    slots = pool[:max(misses, 1)]
+
+    def copy():
+        for i, e in enumerate(blobs):
+            slots[i].copy_(store[e], non_blocking=True)
+
+    copy_us = timer(copy, [()]) if misses else 0.0
+    mapped_bytes = misses * store.shape[1] * store.element_size()
+    extra_us = mapped_us - resident_us
+    return {"case": "mapped", "tokens": tokens, "unique_experts": unique, "mapped_experts": misses,
+            "mapped_bytes": mapped_bytes, "resident_us": resident_us, "mapped_us": mapped_us,
+            "mapped_extra_us": extra_us, "mapped_gbps": gbps(mapped_bytes, extra_us) if misses and extra_us > 0 else None,
+            "copy_us": copy_us, "copy_gbps": gbps(mapped_bytes, copy_us) if misses else None,
+            "copy_then_resident_us": copy_us + resident_us, "fused": counter(run, (slot_map, out)), "check": check}
+
+
 def compare_bits(want, got) -> dict:
     """Share of elements with the reference's bits, and the largest error relative to the largest reference value
     (RoPE's sums can cancel to 0, so an element's own relative error says nothing)."""
@@ -468,6 +523,9 @@ def main(argv=None) -> int:
                                                                   counter=cuda_launches, tiles=tiles,
                                                                   peak_gbps=args.peak_gbps)
                       for tiles in args.moe_tiles for s in MOE_SLOTS for t, u in MOE_ROUTING]
+        if "mapped" in args.cases:
+            cases += [lambda m=m: mapped_case(m, device="cuda", timer=timer, counter=cuda_launches)
+                      for m in MAPPED_MISSES]
         if "norm" in args.cases:
             cases += [lambda t=t: norm_case(t, device="cuda", timer=timer, counter=cuda_launches) for t in NORM_TOKENS]
         for case in cases:

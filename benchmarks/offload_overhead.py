@@ -8,7 +8,10 @@ nested: a step's time includes those inside it) and around whole forwards, then 
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4]
+A run POLICY@BUDGET+mapped takes the mapped path (EngineConfig.mapped_misses: misses read from the pinned store
+inside the forward).
+
+    python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4,lru@0.4+mapped]
         [--fused | --no-fused | --[no-]fused-router ...]
         [--top 25] [--out FILE.json]
 """
@@ -72,6 +75,8 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
     m = engine.manager
     clock.wrap(m, "decide_offloaded", "decide_offloaded (host step one)")
     clock.wrap(m, "end_offloaded", "end_offloaded (host step two)")
+    clock.wrap(m, "_decide_mapped", "decide_mapped (the mapped path's host step, behind the forward)")
+    clock.wrap(m, "_settle_slots", "settle_slots (mapped: copies waited, slot map rewritten)")
     clock.wrap(m, "_read_routing", "read_routing (waits for the read-back)")
     clock.wrap(m.residency, "begin_layer", "residency.begin_layer (policy)")
     clock.wrap(m, "_issue_wave", "issue_wave")
@@ -142,7 +147,11 @@ def main():
     prompt_ids = engine.tokenizer.encode("def quicksort(items):")
     results = []
     for run in args.runs.split(","):
-        policy, budget = run.split("@")
+        spec, _, path = run.partition("+")
+        if path not in ("", "mapped"):
+            ap.error(f"--runs: {run!r}: a run is POLICY@BUDGET, optionally +mapped")
+        policy, budget = spec.split("@")
+        engine.cfg.mapped_misses = path == "mapped"
         engine.set_runtime(policy, budget)
         results.append(measure(engine, prompt_ids, params, run, hbm_gbps, args.top))
     if args.out:

@@ -41,6 +41,12 @@ class EngineConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True              # replay repeated all-resident forwards as CUDA graphs
     offload_graphs: bool = True           # also replay offloaded forwards, in segments between host round trips
+    # A denoising iteration's misses read by the fused MoE kernels from the pinned store (over PCIe) inside the
+    # forward: no host round trip, one graph; the policy's loads fill slots for the next forwards. No miss is
+    # computed on the CPU: prefills and cache fills keep the host round trip, where the misses a policy sends to the
+    # CPU are read from host memory (runtime/manager.py). None: on where the fused MoE kernels run and the store is
+    # pinned.
+    mapped_misses: bool | None = None
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device
     # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (BENCHMARKS.md section 17).

@@ -149,7 +149,8 @@ class Engine:
                 log.info("miss service: %s", self.costs.describe())
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
                                      costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
-                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"])
+                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
+                                     mapped_misses=self._mapped_misses())
         # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
         static = self.manager.all_resident
         self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
@@ -180,6 +181,13 @@ class Engine:
                 self._check_triton_runs(f"--{name.replace('_', '-')}", *self.KERNELS[name])
             picked[name] = auto if asked is None else bool(asked)
         return picked
+
+    def _mapped_misses(self) -> bool:
+        """EngineConfig.mapped_misses, None resolved: on with the fused MoE kernels compiled for CUDA and a pinned
+        store (asked for without them, the manager refuses it in one line)."""
+        if self.cfg.mapped_misses is None:
+            return self.kernels["fused_moe"] and self.device.type == "cuda" and self.store.pinned
+        return self.cfg.mapped_misses
 
     def _settle_kernels(self) -> None:
         """The kernels that depend on the model, once it is loaded: the fused router implements LLaDA2's routing

@@ -349,25 +349,32 @@ COMPILE_SM90 = textwrap.dedent("""
     assert combine["cubin"]
 
     # the fused MoE at LLaDA2.0-mini's shapes with the launcher's default tiles (oled/kernels/triton_moe.py)
-    for lookup in (False, True):
+    for lookup, mapped in ((False, False), (True, False), (True, True)):
         align = build(align_pairs_kernel,
             {"pair_slots_ptr": "*i64", "slot_map_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32",
-             "cursor_ptr": "*i32", "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "num_blocks": "i32"},
-            {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 256, "BLOCK_FILL": 1024, "LOOKUP": lookup}, 4)
+             "cursor_ptr": "*i32", "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "host_bin": "i32",
+             "num_blocks": "i32"},
+            {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 512 if mapped else 256, "BLOCK_FILL": 1024,
+             "LOOKUP": lookup, "MAPPED": mapped}, 4)
         # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
         assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
     blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32"}
-    for dtype in ("bf16", "fp32"):
+    for dtype, mapped in (("bf16", False), ("fp32", False), ("bf16", True)):
+        weights = dict(pool_ptr=f"*{dtype}", host_ptr=f"*{dtype}", pool_row_stride="i32", host_row_stride="i32",
+                       host_bin="i32")
         gate_up = build(gate_up_kernel,
-            dict(blocks, x_ptr=f"*{dtype}", pool_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32",
-                 pool_row_stride="i32", top_k="i32"), dict(tiles, BLOCK_N=32), 4,
-            aligned=("x_ptr", "pool_ptr", "act_ptr", "x_row_stride", "pool_row_stride"))
+            dict(blocks, **weights, x_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32", top_k="i32"),
+            dict(tiles, BLOCK_N=32, MAPPED=mapped), 4,
+            aligned=("x_ptr", "pool_ptr", "host_ptr", "act_ptr", "x_row_stride", "pool_row_stride",
+                     "host_row_stride"))
         down = build(down_kernel,
-            dict(blocks, act_ptr=f"*{dtype}", pool_ptr=f"*{dtype}", out_ptr=f"*{dtype}", pool_row_stride="i32",
-                 out_row_stride="i32"), dict(tiles, BLOCK_N=64), 4,
-            aligned=("act_ptr", "pool_ptr", "out_ptr", "pool_row_stride", "out_row_stride"))
+            dict(blocks, **weights, act_ptr=f"*{dtype}", out_ptr=f"*{dtype}", out_row_stride="i32"),
+            dict(tiles, BLOCK_N=64, MAPPED=mapped), 4,
+            aligned=("act_ptr", "pool_ptr", "host_ptr", "out_ptr", "pool_row_stride", "host_row_stride",
+                     "out_row_stride"))
         for asm in (gate_up, down):
+            # from a slot or from mapped host memory alike
             assert "cp.async.cg.shared.global" in asm["ptx"], "weight tiles stream in 16-byte async copies"
             # bf16 on the tensor cores; fp32 with input_precision="ieee" as exact FMAs, never TF32
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")

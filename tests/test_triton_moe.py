@@ -155,6 +155,60 @@ def test_looking_the_slots_up_in_a_slot_map_equals_passing_them(moe):
     assert torch.equal(blocks_a, blocks_b) and torch.equal(pairs_a[:used], pairs_b[:used])
 
 
+@pytest.mark.parametrize("resident, tokens, k", [(5, 6, 4), (0, 3, 2), (12, 5, 3), (3, 40, 2)],
+                         ids=["some-resident", "none-resident", "all-resident", "many-tokens-an-expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misses_read_from_host_memory_equal_the_same_experts_in_slots(moe, resident, tokens, k, dtype):
+    """host: a pair whose expert the slot map does not hold is computed from the expert's blob in host memory
+    (the layer's store), so every row is written, and with the bits it gets when the expert sits in a slot: the same
+    loads in the same order, whichever memory they read. The layout puts host experts in bins after the pool."""
+    experts, hidden, inter, base = 12, 32, 16, 3
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+    store, x = expert_pool(experts, hidden, inter, dtype, seed=5), inputs(tokens, hidden, dtype)
+    held = torch.randperm(experts, generator=g)[:resident]
+    slot_map = torch.full((experts,), -1, dtype=torch.int64)
+    slot_map[held] = torch.arange(resident) + base
+    pool = store[held] if resident else store[:0]
+    mapped = fused(moe, x, ids, pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store)
+    every = torch.arange(experts) + base                     # every expert in a slot: the reference
+    in_slots = fused(moe, x, ids, store, hidden, inter, slot_base=base, slot_map=every)
+    assert torch.equal(mapped, in_slots)
+    if dtype == torch.float32:
+        assert_fp32_equal(mapped, per_pair(x, ids, store, hidden, inter))
+    sorted_pairs, block_slots = moe.module.align_pairs(ids, resident + experts, base, 16, slot_map,
+                                                      host_bin=resident, mapped=True)
+    bins = [b for b in block_slots.tolist() if b >= 0]
+    on_host = {b - resident for b in bins if b >= resident}
+    assert on_host == set(ids[slot_map[ids] < 0].tolist())
+    assert {b for b in bins if b < resident} == set((slot_map[ids][slot_map[ids] >= 0] - base).tolist())
+
+
+def test_explicit_host_slots_equal_the_slot_map_lookup(moe):
+    """Without slot_map, a pair slot slot_base + S + e names expert e's blob in host memory (the offloaded path's
+    first wave, serving misses from host memory beside its loads); -1 and other slots as before."""
+    experts, hidden, inter, base, slots = 10, 32, 16, 4, 3
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(5)]).reshape(-1)
+    store, x = expert_pool(experts, hidden, inter, seed=7), inputs(5, hidden)
+    pool = store[:slots]                                        # experts 0..2 in slots base..base+2
+    explicit = torch.where(ids < slots, ids + base, base + slots + ids)
+    explicit[::4] = -1                                          # some pairs served elsewhere: left untouched
+    got = fused(moe, x, explicit, pool, hidden, inter, slot_base=base, host=store)
+    want = fused(moe, x, torch.where(explicit < 0, -1, ids + base), store, hidden, inter, slot_base=base)
+    assert torch.equal(got, want) and (got[::4] == SENTINEL).all()
+
+
+def test_host_memory_needs_the_store_layout(moe):
+    H, I, E = 32, 16, 6
+    x, ids, store = inputs(2, H), torch.tensor([0, 5]), expert_pool(E, H, I)
+    slot_map, out = torch.full((E,), -1, dtype=torch.int64), torch.empty(2, H)
+    for kw in (dict(host=store[:, :-1], slot_map=slot_map),
+               dict(host=store.double(), slot_map=slot_map), dict(host=store[:4], slot_map=slot_map)):
+        with pytest.raises(ValueError):
+            moe.run(x, ids, store[:0], H, I, out, **kw)
+
+
 def test_a_slice_of_a_larger_pool_with_slot_base(moe):
     """The manager's call: one layer's slots sliced from the whole pool, global slot numbers; slots outside the
     slice are skipped (their rows untouched) rather than read."""
@@ -320,6 +374,24 @@ def test_bench_case_runs_under_the_interpreter(moe):
     assert case["weight_bytes"] == 5 * 3 * 64 * 32 * 2
     assert case["fused_gbps"] == pytest.approx(case["weight_bytes"] / 10e-6 / 1e9)
     assert case["floor_us"] == pytest.approx(case["weight_bytes"] / 4300e9 * 1e6)
+    json.dumps(case)
+
+
+def test_mapped_bench_case_runs_under_the_interpreter(moe):
+    """kernels_bench.py's mapped case: outputs with misses read from the store equal those with every expert in a
+    slot, and its bandwidth figures come from the timer's numbers."""
+    from tests.test_kernels_bench import load_bench
+
+    bench = load_bench()
+    times = iter([10.0, 14.0, 2.0])        # resident, mapped, copy
+    timer = lambda fn, inputs: [fn(*a) for a in inputs] and next(times)                 # noqa: E731
+    counter = lambda fn, args: bench.per_call(Counter({"kernel": 3}), Counter(), calls=1)   # noqa: E731
+    case = bench.mapped_case(2, device="cpu", timer=timer, counter=counter, tokens=4, unique=4, experts=16,
+                             hidden=32, inter=16, top_k=2)
+    assert case["check"]["ok"] and case["mapped_experts"] == 2
+    assert case["mapped_bytes"] == 2 * 3 * 32 * 16 * 2
+    assert case["mapped_gbps"] == pytest.approx(case["mapped_bytes"] / 4e-6 / 1e9)
+    assert case["copy_then_resident_us"] == 12.0
     json.dumps(case)
 
 

@@ -26,6 +26,10 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "h2d_gb_per_iteration": ("H2D GB/iter", "GB", "bytes of experts copied host-to-device per denoising iteration"),
     "cpu_pairs_per_iteration": ("CPU pairs/iter", "", "token-expert pairs computed on the CPU per iteration"),
     "cpu_ms_per_iteration": ("CPU ms/iter", "ms", "wall time of the CPU expert jobs per denoising iteration"),
+    "mapped_pairs_per_iteration": ("mapped pairs/iter", "", "token-expert pairs the GPU computed from the expert's "
+                                                           "blob in host memory (mapped misses) per iteration"),
+    "mapped_gb_per_iteration": ("mapped GB/iter", "GB", "bytes of experts the GPU read from host memory over PCIe "
+                                                       "per denoising iteration (mapped misses)"),
     "cpu_cost_model_ratio": ("CPU cost model / measured", "", "the CPU jobs' time as the runtime's cost model "
                                                               "predicts it (calibrated at start-up per tokens per "
                                                               "expert, slowed while copies run) / their measured "
@@ -101,6 +105,8 @@ def stats_metrics(summary: dict) -> dict:
         "h2d_gb_per_iteration": summary.get("h2d_gb_per_iteration"),
         "cpu_pairs_per_iteration": summary.get("cpu_pairs_per_iteration"),
         "cpu_ms_per_iteration": summary.get("cpu_ms_per_iteration"),
+        "mapped_pairs_per_iteration": summary.get("mapped_pairs_per_iteration"),
+        "mapped_gb_per_iteration": summary.get("mapped_gb_per_iteration"),
         "cpu_cost_model_ratio": summary.get("cpu_cost_model_ratio"),
         "cpu_path_cost_model_ratio": summary.get("cpu_path_cost_model_ratio"),
         "loads_per_iteration": summary.get("loads_per_iteration"),

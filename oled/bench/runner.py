@@ -108,6 +108,7 @@ class BenchConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True
     offload_graphs: bool = True
+    mapped_misses: bool | None = None
     fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
     cpu_kernel: dict = field(default_factory=dict)   # EngineConfig's cpu_* fields (the CPU kernel's knobs)
     # decoding and protocol
@@ -256,7 +257,8 @@ class Bench:
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
-                            offload_graphs=cfg.offload_graphs, **cfg.fused, **cfg.cpu_kernel,
+                            offload_graphs=cfg.offload_graphs, mapped_misses=cfg.mapped_misses, **cfg.fused,
+                            **cfg.cpu_kernel,
                             policy="lru",
                             expert_budget=self._smallest_budget_guess())
         engine = Engine(base, progress=cfg.progress)

@@ -96,6 +96,11 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-offload-graphs", dest="offload_graphs", action="store_false",
                    help="run offloaded forwards eagerly (default: replay them as CUDA graphs, in segments between the "
                         "host round trips)")
+    g.add_argument("--mapped-misses", action=argparse.BooleanOptionalAction, default=d.mapped_misses,
+                   help="a denoising iteration's misses are computed by the fused MoE kernels straight from the "
+                        "pinned expert store over PCIe, with no host round trip; the policy's loads fill slots for "
+                        "the next iterations, and no miss is computed on the CPU (needs the fused MoE kernels; "
+                        "default: on where they run compiled, on CUDA with a pinned store)")
 
 
 def add_fused_args(g) -> None:
@@ -132,7 +137,8 @@ def engine_config(args) -> EngineConfig:
                         misses=args.misses, waves=args.waves, tide_tau=args.tide_tau, popularity=args.popularity, cpu_threads=args.cpu_threads,
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
-                        offload_graphs=args.offload_graphs, profile=getattr(args, "profile", False),
+                        offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
+                        profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

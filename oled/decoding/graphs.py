@@ -119,9 +119,10 @@ class ForwardGraphs:
         if not self.enabled or kv is not self.kv or not self.warmed:
             self.warmed = self.warmed or kv is self.kv
             return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
-        # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key
+        # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key; so is
+        # the manager's path (a mapped forward is one segment, an offloaded one of the same shape is not)
         key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step),
-               block_length)
+               block_length, self.manager.mapped_forward)
         fwd = self.graphs.get(key)
         if fwd is not None:
             self.graphs.move_to_end(key)

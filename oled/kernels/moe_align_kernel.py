@@ -14,26 +14,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, LOOKUP: tl.constexpr):
-    """Each pair's slot relative to this pool, -1 for a pair without one (-1 in pair_slots, past the end, or a
-    slot outside the pool, which is then never read). LOOKUP: pair_slots holds expert ids, and a pair's slot is
-    slot_map[id] (the device slot map's row of the layer)."""
+def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, host_bin,
+             LOOKUP: tl.constexpr, MAPPED: tl.constexpr):
+    """Each pair's bin (its slot relative to this pool), -1 for a pair without one (-1 in pair_slots, past the
+    end, or a slot outside the pool, which is then never read). LOOKUP: pair_slots holds expert ids, and a pair's
+    slot is slot_map[id] (the device slot map's row of the layer). MAPPED (with LOOKUP): a pair whose expert has
+    no slot goes to bin host_bin + id, which the compute kernels read from the expert's blob in host memory (without
+    LOOKUP, num_slots counts those bins too: a pair slot slot_base + host_bin + id names one directly)."""
     slot = tl.load(pair_slots_ptr + pair, mask=pair < num_pairs, other=-1)
     if LOOKUP:
-        slot = tl.load(slot_map_ptr + slot, mask=slot >= 0, other=-1)
-    rel = slot - slot_base
-    return tl.where((slot >= 0) & (rel >= 0) & (rel < num_slots), rel, -1).to(tl.int32)
+        expert = slot
+        slot = tl.load(slot_map_ptr + expert, mask=expert >= 0, other=-1)
+        rel = slot - slot_base
+        here = (slot >= 0) & (rel >= 0) & (rel < host_bin)
+        if MAPPED:
+            rel = tl.where(here, rel, host_bin + expert)
+            here = expert >= 0
+    else:
+        rel = slot - slot_base
+        here = (slot >= 0) & (rel >= 0) & (rel < num_slots)
+    return tl.where(here, rel, -1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "host_bin", "num_blocks"])
 def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr,
-    num_pairs, num_slots, slot_base, num_blocks,
+    num_pairs, num_slots, slot_base, host_bin, num_blocks,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    LOOKUP: tl.constexpr,
+    LOOKUP: tl.constexpr, MAPPED: tl.constexpr,
 ):
-    """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32, block_slots [num_blocks] int32
-    (cursor [BLOCK_S] int32 is scratch).
+    """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
+    block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
+    slots (host_bin of them), and with MAPPED one bin an expert after them.
 
     Slot s owns the rows from the sum of the padded counts of slots < s: its pairs, then -1 up to a multiple of
     BLOCK_M. The order of a slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU),
@@ -48,7 +60,8 @@ def align_pairs_kernel(
     counts = tl.zeros([BLOCK_S], tl.int32)
     start = 0
     while start < num_pairs:
-        slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_slots, slot_base, LOOKUP)
+        slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_slots, slot_base, host_bin,
+                        LOOKUP, MAPPED)
         # masked-out lanes are 0, not -1: the interpreter's masked histogram takes them back off bin 0
         counts += tl.histogram(tl.where(slot >= 0, slot, 0), BLOCK_S, mask=slot >= 0)
         start += BLOCK_P
@@ -76,7 +89,8 @@ def align_pairs_kernel(
     start = 0
     while start < num_pairs:
         pair = start + lane
-        slot = _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, LOOKUP)
+        slot = _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, host_bin, LOOKUP,
+                        MAPPED)
         placed = slot >= 0
         row = tl.atomic_add(cursor_ptr + tl.where(placed, slot, 0), 1, mask=placed, sem="relaxed")
         tl.store(sorted_pairs_ptr + row, pair, mask=placed)

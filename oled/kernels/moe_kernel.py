@@ -7,6 +7,9 @@ Both kernels take a grid of (row block, column tile). A program owns BLOCK_M row
 oled/kernels/moe_align_kernel.py) and BLOCK_N output columns, and walks the whole reduction dimension in
 BLOCK_K steps in one fixed order; a row's result depends only on its own input row and its slot's weights,
 never on the other rows of its block, so it does not depend on which other pairs or experts share the call.
+With MAPPED, a block whose bin is host_bin or more is an expert without a slot: its weights are read from its blob
+in (pinned, mapped) host memory, host_ptr's row bin - host_bin, by the same loads in the same order, so a pair
+gives the same bits from host memory as from a slot.
 HIDDEN and INTER are constexprs (one compilation per model shape): the K loops have static trip counts, which
 Triton software-pipelines, and which the interpreter can run (not a runtime-bound `for`, triton-lang/triton#9171).
 """
@@ -27,11 +30,22 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED: tl.constexpr):
+    """The start of the blob of a block's bin: a slot of the pool, or with MAPPED an expert's row in host memory."""
+    blob = pool_ptr + slot.to(tl.int64) * pool_row_stride
+    if MAPPED:
+        if slot >= host_bin:
+            blob = host_ptr + (slot - host_bin).to(tl.int64) * host_row_stride
+    return blob
+
+
+@triton.jit
 def gate_up_kernel(
-    x_ptr, pool_ptr, sorted_pairs_ptr, block_slots_ptr, act_ptr,
-    x_row_stride, pool_row_stride, top_k,
+    x_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, act_ptr,
+    x_row_stride, pool_row_stride, host_row_stride, host_bin, top_k,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     """act[row, n] = silu(x[token] . gate[n]) * (x[token] . up[n]) for the block's rows and BLOCK_N columns n of
     the intermediate, in one pass over the hidden dimension (gate and up tiles read side by side).
@@ -50,7 +64,8 @@ def gate_up_kernel(
     k = tl.arange(0, BLOCK_K)
 
     # the blob's gate rows [INTER, HIDDEN] then up rows: tile [BLOCK_K, BLOCK_N] of gate^T and of up^T
-    gate_ptrs = pool_ptr + slot.to(tl.int64) * pool_row_stride + n[None, :] * HIDDEN + k[:, None]
+    blob = _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED)
+    gate_ptrs = blob + n[None, :] * HIDDEN + k[:, None]
     up_ptrs = gate_ptrs + INTER * HIDDEN
     x_ptrs = x_ptr + token[:, None] * x_row_stride + k[None, :]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -70,10 +85,11 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, pool_ptr, sorted_pairs_ptr, block_slots_ptr, out_ptr,
-    pool_row_stride, out_row_stride,
+    act_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, out_ptr,
+    pool_row_stride, host_row_stride, host_bin, out_row_stride,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     """out[pair, n] = act[row] . down[n] for the block's rows that hold a pair and BLOCK_N columns n of the
     hidden dimension: written straight to the pair's row of out, every other row of out untouched."""
@@ -87,7 +103,8 @@ def down_kernel(
     k = tl.arange(0, BLOCK_K)
 
     # the blob's down matrix [HIDDEN, INTER] after gate and up: tile [BLOCK_K, BLOCK_N] of down^T
-    down_ptrs = pool_ptr + slot.to(tl.int64) * pool_row_stride + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
+    blob = _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED)
+    down_ptrs = blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     act_ptrs = act_ptr + row[:, None] * INTER + k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, INTER, BLOCK_K):

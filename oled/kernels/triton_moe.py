@@ -91,7 +91,8 @@ def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
 
 def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor, hidden: int,
                        intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
-                       tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None) -> None:
+                       tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None,
+                       host: torch.Tensor | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -101,29 +102,38 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     device. Raises ValueError for anything else. Three launches (see the module docstring), none when there are
     no pairs or no slots. With slot_map ([E] int64, the device slot map's row of the layer: expert -> slot or -1),
     pair_slots holds each pair's expert id instead, and the alignment looks the slot up (what index_select made
-    before the call, one launch fewer).
+    before the call, one launch fewer). With host as well ([E, 3 * I * H], the layer's expert blobs in host memory:
+    pinned, so a CUDA kernel reads it mapped, over PCIe), a pair whose expert has no slot in slot_map is computed
+    from its blob there (a miss served without a copy or the host), so every pair is written; without slot_map, a
+    pair slot slot_base + S + e names expert e's blob there.
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
     x, pair_slots = _check(x, pair_slots, pool, hidden, intermediate, out, slot_base)
     check_device(gate_up_kernel, x, pair_slots, pool, out)
+    _check_host(host, slot_map, pool, gate_up_kernel)
     num_slots = pool.shape[0]
-    if pair_slots.shape[0] == 0 or num_slots == 0:
+    mapped = host is not None
+    if pair_slots.shape[0] == 0 or (num_slots == 0 and not mapped):
         return
     top_k = pair_slots.shape[0] // x.shape[0]
     block_m = tiles.block_m
-    sorted_pairs, block_slots = align_pairs(pair_slots, num_slots, slot_base, block_m, slot_map)
+    bins = num_slots + (host.shape[0] if mapped else 0)       # the pool's slots, then one bin an expert on the host
+    sorted_pairs, block_slots = align_pairs(pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots,
+                                            mapped=mapped and slot_map is not None)
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
-    launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    host = host if mapped else pool                             # not read without MAPPED
+    launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                  MAPPED=mapped)
     n_up, k_up = _fit(tiles.gate_up_n, intermediate), _fit(tiles.gate_up_k, hidden)
     gate_up_kernel[(num_blocks, intermediate // n_up)](
-        x, pool, sorted_pairs, block_slots, act, x.stride(0), pool.stride(0), top_k,
-        HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
+        x, pool, host, sorted_pairs, block_slots, act, x.stride(0), pool.stride(0), host.stride(0), num_slots,
+        top_k, HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
     n_down, k_down = _fit(tiles.down_n, hidden), _fit(tiles.down_k, intermediate)
     down_kernel[(num_blocks, hidden // n_down)](
-        act, pool, sorted_pairs, block_slots, out, pool.stride(0), out.stride(0),
+        act, pool, host, sorted_pairs, block_slots, out, pool.stride(0), host.stride(0), num_slots, out.stride(0),
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
 
 
@@ -159,10 +169,12 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tenso
 
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
-                slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                slot_map: torch.Tensor | None = None, *, host_bin: int | None = None,
+                mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
     -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
-    oled/kernels/moe_align_kernel.py lays them out."""
+    oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
+    are the first host_bin of them and a pair whose expert has no slot goes to bin host_bin + its id."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -178,11 +190,25 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
         raise ValueError(f"slot_map must be a contiguous [E] int64 row, got {tuple(slot_map.shape)} {slot_map.dtype}")
     align_pairs_kernel[(1,)](
         pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor, num_pairs,
-        num_slots, slot_base, block_slots.shape[0],
+        num_slots, slot_base, num_slots if host_bin is None else host_bin, block_slots.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
-        BLOCK_FILL=1024, LOOKUP=slot_map is not None,
+        BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped,
         num_warps=4)
     return sorted_pairs, block_slots
+
+
+def _check_host(host, slot_map, pool, kernel) -> None:
+    """host: None, or the layer's blobs [E, 3 * I * H] in pool's dtype with contiguous rows (E: slot_map's experts
+    where given); for a compiled kernel in pinned host memory (read mapped) or on pool's device."""
+    if host is None:
+        return
+    if host.dim() != 2 or host.shape[1] != pool.shape[1] or host.stride(1) != 1 or host.dtype != pool.dtype:
+        raise ValueError(f"host must be [E, {pool.shape[1]}] {pool.dtype} with contiguous rows, got "
+                         f"{tuple(host.shape)} {host.dtype} strides {host.stride()}")
+    if slot_map is not None and host.shape[0] != slot_map.shape[0]:
+        raise ValueError(f"host holds {host.shape[0]} experts, slot_map {slot_map.shape[0]}")
+    if not interpreted(kernel) and host.device != pool.device and not (host.device.type == "cpu" and host.is_pinned()):
+        raise ValueError(f"host must be pinned host memory (or on {pool.device}) for a compiled kernel to read it")
 
 
 def _fit(tile: int, dim: int) -> int:

@@ -57,6 +57,9 @@ class LayerEvent:
     next_resident: set[int] | None = None
     hits: list[int] = None           # needed experts resident (computed if not given), in demand order
     misses: list[int] = None         # needed experts not resident
+    mapped: bool = False             # the misses were computed already, from host memory (the manager's mapped
+                                     # path): a decision's loads fill slots for later forwards, its CPU misses are
+                                     # just not loaded
 
     def __post_init__(self):
         if self.hits is None:
@@ -156,6 +159,8 @@ class Policy:
         reuse the slots of experts already computed (the misses of a layer that needs more experts than it has
         slots need not all go to the CPU). evict_loss[i] is the predicted value lost by the i-th eviction a load
         beyond the free slots causes."""
+        if event.mapped:        # nothing to split: every miss was served; load them (most rows first) as lru does
+            return sorted(event.misses, key=lambda e: (-event.demand[e], e)), []
         if self.ctx.costs is None:
             raise RuntimeError(f"policy {self.name!r}: cooperative miss handling needs the measured cost model")
         hits = event.hits

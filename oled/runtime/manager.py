@@ -57,7 +57,7 @@ FORWARD_HOLD_S = 1.0
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
-                 cpu_cost_feedback: bool = False, fused_moe: bool = False):
+                 cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -71,8 +71,9 @@ class ExpertManager:
         # grouped_swiglu; they write the served pairs' rows only
         self.fused_swiglu = self.fused_combine = None
         if fused_moe:
-            from ..kernels.triton_moe import combine_pairs, fused_swiglu_pairs
+            from ..kernels.triton_moe import DEFAULT_TILES, combine_pairs, fused_swiglu_pairs
             self.fused_swiglu, self.fused_combine = fused_swiglu_pairs, combine_pairs
+            self.fused_swiglu_rows = DEFAULT_TILES.block_m
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
@@ -95,6 +96,18 @@ class ExpertManager:
                                                   # the device slot map was last written
         self._place_initial()
         self.all_resident = self.residency.all_resident     # the forward needs no host step: one graph
+        # EngineConfig.mapped_misses: a denoising iteration's misses are read by the fused kernels from the pinned
+        # store (mapped, over PCIe) inside the forward, so it needs no host step either (takes_mapped_path); the
+        # policy learns each layer's routing once the forward is queued and its loads fill slots for the next
+        # forwards (run_mapped). No miss is computed on the CPU: on the host round trip (prefill, cache fills) the
+        # misses a policy sends there are read from host memory by the first wave.
+        self.mapped = bool(mapped_misses) and not self.all_resident
+        if self.mapped and self.fused_swiglu is None:
+            raise ValueError("mapped misses are read by the fused MoE kernels: they need --fused-moe (Triton)")
+        if self.mapped and self.cuda and not store.pinned:
+            raise ValueError("mapped misses read the expert store over PCIe: it must be pinned (drop --no-pin)")
+        self._mapped_now = False                  # this forward takes the mapped path (begin_forward)
+        self._done_events: dict[int, torch.cuda.Event] = {}     # layer -> the end of its MoE compute (graphs too)
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
         self.slot_map = self.cache.slot_table(self.config.num_experts)
@@ -157,15 +170,17 @@ class ExpertManager:
                 for ev in events.values():
                     stream.wait_event(ev)
 
-    def _grouped(self, layer, x, pair_slots, y_pairs, n_valid: int | None) -> None:
+    def _grouped(self, layer, x, pair_slots, y_pairs, n_valid: int | None, host: bool = False) -> None:
         """Grouped compute of the pairs with a slot (>= 0) into their rows of y_pairs. n_valid=None writes every row
         (rows of pairs without a slot get unspecified values: a static shape for graphs); otherwise only the
         n_valid rows of the served pairs, leaving the others as they are. The fused kernels write the served
-        rows only, either way."""
+        rows only, either way; with `host`, a pair slot past the layer's (its first + capacity + e) names expert e's
+        blob in the pinned store."""
         with self._section("gpu_experts"):
             base, pool = self._pool(layer)
             if self.fused_swiglu is not None:
-                self.fused_swiglu(x, pair_slots, pool, self.hidden, self.inter, y_pairs, slot_base=base)
+                self.fused_swiglu(x, pair_slots, pool, self.hidden, self.inter, y_pairs, slot_base=base,
+                                  host=self.store.blobs[self.layer_pos[layer]] if host else None)
                 return
             k = pair_slots.shape[0] // x.shape[0]                 # pairs are token-major: T tokens x k experts
             pair_tokens = torch.arange(pair_slots.shape[0], device=x.device) // k
@@ -192,9 +207,43 @@ class ExpertManager:
             y_pairs = self._grouped_all(layer, x, ids)      # every expert is resident: one wave
             self._routing_log.append((layer, ids, weights))
             return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
+        if self._mapped_now:
+            return self.run_mapped(layer, x, ids, weights, shared)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
             return self.host_boundary(layer, x, ids, weights, shared)
         return self.run_offloaded(layer, x, ids, weights, shared)
+
+    def takes_mapped_path(self, info: ForwardInfo) -> bool:
+        """With mapped misses, a denoising iteration reads its misses from host memory, unless its experts average
+        more than one block of pairs (BLOCK_M: the kernels read a missed blob once per block of its pairs). A prefill
+        or cache fill touches most experts and loads most of its misses anyway: it copies them once, on the host
+        round trip (a 257-token prefill at 40 % took 271 ms on the mapped path against 200 ms there, BENCHMARKS.md
+        section 18), where the misses a policy sends to the CPU are read from host memory instead."""
+        return (self.mapped and info.kind == "iteration"
+                and info.tokens * self.config.top_k <= self.config.num_experts * self.fused_swiglu_rows)
+
+    @property
+    def mapped_forward(self) -> bool:
+        """The forward under way takes the mapped path (no host step)."""
+        return self._mapped_now
+
+    def run_mapped(self, layer, x, ids, weights, shared=None):
+        """The mapped path: the routing's read-back is issued, then every pair is computed, a hit from its slot and a
+        miss from its blob in the pinned store; no host step, so a graph replays the whole forward. The host takes
+        the layer's routing once the forward is queued (end_forward: the policy's event and decision), and the
+        loads it decides are copied once this layer's compute is done, for the next forwards."""
+        # no prediction: the next layer's own decision comes from its real routing in the same forward, before any
+        # prefetch could serve it (so `prefetch` decides as `lru` here)
+        self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False)
+        y_pairs = self._grouped_all(layer, x, ids, mapped=True)
+        if self.cuda:
+            done = self._done_events.get(layer)
+            if done is None:        # external: recorded by every replay of a graph that captured it
+                done = self._done_events[layer] = torch.cuda.Event(external=True)
+            done.record()
+            self.layer_done[layer] = done
+        self._routing_log.append((layer, x.shape[0]))
+        return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
 
     def run_offloaded(self, layer, x, ids, weights, shared=None):
         """The offloaded path, in four parts, so that a segmented CUDA graph (decoding/graphs.py) replays the two
@@ -217,32 +266,39 @@ class ExpertManager:
         """Device part one: issue the routing's read-back into pinned buffers (with an event the host waits on), then
         compute every pair whose expert the device slot map holds. Returns the pair outputs ([T*k, H]; rows of pairs
         served later are unspecified until then)."""
-        nxt = self.residency.next_layer(layer) if self.policy.wants_prediction else None
+        self._issue_readback(layer, x, ids, weights, cpu_input=self.policy.uses_cpu,
+                             predict=self.policy.wants_prediction)
+        return self._grouped_all(layer, x, ids)
+
+    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool) -> None:
+        """The layer's routing (and with predict the next layer's predicted ids, with cpu_input the layer's input)
+        copied to pinned buffers, with an event the host waits on (_read_routing)."""
+        nxt = self.residency.next_layer(layer) if predict else None
         # Prefetch: the next layer's router on this layer's input, brought back in the same read-back.
         ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
         tensors = [ids, weights.float()] + ([ids_next] if ids_next is not None else [])
-        if self.policy.uses_cpu:
+        if cpu_input:
             tensors.append(x)                     # the CPU path's input, on the host with the routing
         # one set of buffers per (layer, tokens), whichever graph or eager forward writes them
-        bufs = [self._staging(f"routing{layer}.{i}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
-                for i, t in enumerate(tensors)]
+        names = ["ids", "weights"] + (["next"] if ids_next is not None else []) + (["x"] if cpu_input else [])
+        bufs = [self._staging(f"routing{layer}.{name}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
+                for name, t in zip(names, tensors)]
         ready = None
         if self.cuda:
             ready = self._routing_events.get(layer)
             if ready is None:       # external: recorded by every replay of a graph that captured it
                 ready = self._routing_events[layer] = torch.cuda.Event(external=True)
             ready.record()
-        self._readback[layer, x.shape[0]] = (bufs, ready, ids_next is not None)
-        return self._grouped_all(layer, x, ids)
+        self._readback[layer, x.shape[0]] = (bufs, ready, ids_next is not None, cpu_input)
 
     def _read_routing(self, layer, tokens: int):
         """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
         waits for the read-back begin_offloaded issued. Returns fresh arrays (a policy may keep them)."""
-        bufs, ready, has_prediction = self._readback[layer, tokens]
+        bufs, ready, has_prediction, has_input = self._readback[layer, tokens]
         if ready is not None:
             ready.synchronize()
         host = [b.numpy().copy() for b in bufs[:2 + has_prediction]]
-        x_host = bufs[-1] if self.policy.uses_cpu else None
+        x_host = bufs[-1] if has_input else None
         return host[0], host[1], (host[2] if has_prediction else None), x_host
 
     def decide_offloaded(self, layer, x, load_slots: torch.Tensor) -> "OffloadedLayer":
@@ -254,7 +310,10 @@ class ExpertManager:
         ids_h, weights_h, predicted, x_host = self._read_routing(layer, x.shape[0])
         flat = ids_h.reshape(-1)
         step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
-        cpu = step.decision.cpu
+        cpu, on_host = step.decision.cpu, []
+        if self.mapped and cpu:       # no miss is computed on the CPU: the first wave reads them from host memory
+            cpu, on_host = [], cpu
+            self.residency.record_mapped(step, on_host, self._mapped_reads(step, on_host))
         self._cpu_last_time[layer, len(x)] = bool(cpu)
         cpu_job = self._start_cpu(layer, x_host, flat, cpu, copying=bool(step.decision.load)) if cpu else None
         waves = self.residency.waves(step)
@@ -263,7 +322,7 @@ class ExpertManager:
         # copy the compute had not waited for yet)
         ready = self._ready[self.layer_pos[layer]]     # the device slot map the hits were computed with
         late_hits = [e for e in step.hits if ready[e] < 0]
-        slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits)
+        slots_np, n_valid = self._issue_wave(layer, flat, first, late_hits, on_host)
         if n_valid:       # through a pinned buffer of the layer's: the driver stages a copy from pageable memory
             staged = self._staging(f"load_slots_host{layer}", slots_np.shape, torch.int64)
             staged.copy_(torch.from_numpy(slots_np))
@@ -272,11 +331,11 @@ class ExpertManager:
         return OffloadedLayer(layer, flat, step, waves, cpu_job, loads_first=bool(n_valid))
 
     def load_wave(self, layer, x, load_slots, y_pairs) -> None:
-        """Device part two: the first wave's loads, into their rows of y_pairs (every other row kept). Static
-        shapes, so a graph replays it."""
+        """Device part two: the first wave's loads (and with mapped misses the misses read from host memory), into
+        their rows of y_pairs (every other row kept). Static shapes, so a graph replays it."""
         with self._section("gpu_experts"):
             if self.fused_swiglu is not None:              # writes the loads' rows only: no temporary, no select
-                self._grouped(layer, x, load_slots, y_pairs, n_valid=None)
+                self._grouped(layer, x, load_slots, y_pairs, n_valid=None, host=self.mapped)
                 return
             y = torch.empty_like(y_pairs)
             self._grouped(layer, x, load_slots, y, n_valid=None)
@@ -287,17 +346,20 @@ class ExpertManager:
         base = self.layer_pos[layer] * self.cache.capacity
         return base, self.cache.pool[base:base + self.cache.capacity]
 
-    def _grouped_all(self, layer, x, ids) -> torch.Tensor:
+    def _grouped_all(self, layer, x, ids, mapped: bool = False) -> torch.Tensor:
         """The grouped compute of every pair whose expert the device slot map holds, one output row per (token,
-        expert) pair; rows of pairs without one are unspecified. The kernels and shapes do not depend on the
-        routing, so a graph replays them. The fused kernels look the slots up in the map themselves."""
+        expert) pair; rows of pairs without one are unspecified, or with `mapped` computed from the pinned store.
+        The kernels and shapes do not depend on the routing, so a graph replays them. The fused kernels look the
+        slots up in the map themselves."""
         flat = ids.reshape(-1)
-        row = self.slot_map[self.layer_pos[layer]]
+        pos = self.layer_pos[layer]
+        row = self.slot_map[pos]
         y_pairs = torch.empty(flat.shape[0], self.hidden, dtype=x.dtype, device=x.device)
         if self.fused_swiglu is not None:
             with self._section("gpu_experts"):
                 base, pool = self._pool(layer)
-                self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row)
+                self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row,
+                                  host=self.store.blobs[pos] if mapped else None)
             return y_pairs
         self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         return y_pairs
@@ -321,16 +383,19 @@ class ExpertManager:
         if work.cpu_job is not None:
             self._finish_cpu(work.cpu_job, y_pairs, work.step.rec)
 
-    def _issue_wave(self, layer, flat, wave: Wave, late_hits=()) -> tuple[np.ndarray, int]:
+    def _issue_wave(self, layer, flat, wave: Wave, late_hits=(), on_host=()) -> tuple[np.ndarray, int]:
         """Copy a wave's loads and make the compute wait for them; returns each pair's slot if its expert is one of
-        the loads or `late_hits` (-1: not computed in this wave) and the number of pairs served."""
+        the loads or `late_hits`, or the slot past the layer's that names its blob in host memory if it is one of
+        `on_host` (-1: not computed in this wave), and the number of pairs served."""
         self._copy(layer, wave.loads, wave.slots)
         experts = wave.loads + list(late_hits)
-        if not experts:
+        if not experts and not on_host:
             return np.empty(0, dtype=np.int64), 0
         slot_of = self.cache.resident(layer)
         lut = np.full(self.config.num_experts, -1, dtype=np.int64)     # this wave's experts -> slots
         lut[experts] = [slot_of[e] for e in experts]
+        if on_host:
+            lut[list(on_host)] = self._pool(layer)[0] + self.cache.capacity + np.asarray(on_host, dtype=np.int64)
         slots_np = lut[flat]
         valid = slots_np >= 0
         if self.cuda:
@@ -458,6 +523,9 @@ class ExpertManager:
             self._begin_forward(info)
 
     def _begin_forward(self, info: ForwardInfo) -> None:
+        if self.mapped:
+            self._settle_slots()
+            self._mapped_now = self.takes_mapped_path(info)
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -482,6 +550,10 @@ class ExpertManager:
         the next forward is queued (the copy is ordered before that forward overwrites a graph's routing)."""
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(0.0)
+        if self._mapped_now:
+            self._mapped_now = False
+            self._decide_mapped()
+            return
         if not self._routing_log:
             return
         self.flush()                          # an earlier forward's records first: they read the same buffers
@@ -503,6 +575,38 @@ class ExpertManager:
             self._deferred.append((self._record_routing, record))
         else:
             self._record_routing(record)
+
+    # ------------------------------------------------------------------------------------------ mapped path
+    def _decide_mapped(self) -> None:
+        """The policy's events and decisions for a forward that took the mapped path, layer by layer as its routing
+        arrives: its misses were read from host memory already, so a decision's loads fill slots for the next
+        forwards: as many as fit beside the layer's hits (one wave), copied once the layer's compute is done. The
+        events carry no prediction of the next layer (run_mapped), so a decision has no prefetch."""
+        log, self._routing_log = self._routing_log, []
+        for layer, tokens in log:
+            ids_h, weights_h, _, _ = self._read_routing(layer, tokens)
+            step = self.residency.begin_layer(layer, ids_h, weights_h, mapped=True)
+            misses = step.decision.load + step.decision.cpu
+            self.residency.record_mapped(step, misses, self._mapped_reads(step, misses))
+            first = next(self.residency.waves(step))
+            self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
+            self.residency.end_layer(step)
+
+    def _mapped_reads(self, step, experts) -> int:
+        """Times the kernels read these experts' blobs from host memory: once per block of BLOCK_M of its pairs."""
+        rows = self.fused_swiglu_rows
+        return sum(-(-step.demand[e] // rows) for e in experts)
+
+    def _settle_slots(self) -> None:
+        """Before a forward: the compute waits for the copies decided since the last one, then the device slot map
+        is rewritten for every layer that changed, so each forward starts with the slot tables and the map equal."""
+        if self.cuda and self.pending_copy:
+            stream = torch.cuda.current_stream(self.device)
+            for ev in {id(ev): ev for ev in self.pending_copy.values()}.values():
+                stream.wait_event(ev)
+            self.pending_copy.clear()
+        for layer in sorted(self._slots_changed, key=self.layer_pos.__getitem__):
+            self._sync_slot_map(layer)
 
     def _record_routing(self, record) -> None:
         layers, host, copied = record

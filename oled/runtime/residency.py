@@ -84,9 +84,10 @@ class Residency:
 
     # --------------------------------------------------------------------------------------------- per layer
     def begin_layer(self, layer: int, ids: np.ndarray, weights: np.ndarray,
-                    predicted: np.ndarray | None = None) -> LayerStep:
+                    predicted: np.ndarray | None = None, mapped: bool = False) -> LayerStep:
         """ids, weights: the layer's routing [T, k]; predicted: the next layer's predicted ids (policies that want
-        predictions). Hands the policy the layer's event, checks its decision, records the statistics."""
+        predictions); mapped: the layer ran on the mapped path (its misses computed from host memory). Hands the
+        policy the layer's event, checks its decision, records the statistics."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)     # experts in increasing id order
         experts = np.flatnonzero(counts)
         demand = dict(zip(experts.tolist(), counts[experts].tolist()))
@@ -96,7 +97,7 @@ class Residency:
         forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
                                               block_length=len(ids))   # a layer run outside the decoding loop
         event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
-                           resident=set(resident), hits=hits, misses=misses)
+                           resident=set(resident), hits=hits, misses=misses, mapped=mapped)
         if predicted is not None and (nxt := self.next_layer(layer)) is not None:
             p_experts, p_counts = np.unique(predicted, return_counts=True)
             event.predicted = dict(zip(p_experts.tolist(), p_counts.tolist()))
@@ -147,6 +148,15 @@ class Residency:
         step.rec.bytes_h2d += len(wanted) * self.expert_bytes
         step.rec.prefetches += len(wanted)
         return nxt, wanted, slots
+
+    def record_mapped(self, step: LayerStep, experts: list[int], reads: int) -> None:
+        """Misses the GPU computed from host memory (their blobs read `reads` times in all), none on the CPU: every
+        miss of a layer on the mapped path, whatever the decision (which only says what to load next), or on the
+        host round trip with mapped misses, those the decision sent to the CPU."""
+        rec = step.rec
+        rec.experts_mapped, rec.pairs_mapped = len(experts), sum(step.demand[e] for e in experts)
+        rec.bytes_mapped = reads * self.expert_bytes
+        rec.experts_cpu = rec.pairs_cpu = 0
 
     def end_layer(self, step: LayerStep) -> None:
         resident_after = self.cache.resident(step.layer)

@@ -9,7 +9,7 @@ import numpy as np
 # per-record wall times: differ between runs, absent from a trace replay
 TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
-            "bytes_h2d", "resident", "resident_used")
+            "bytes_h2d", "resident", "resident_used", "pairs_mapped", "experts_mapped", "bytes_mapped")
 
 
 @dataclass
@@ -31,6 +31,9 @@ class LayerRecord:
     cpu_s: float = 0.0        # time of this layer's CPU expert jobs, measured inside the kernel call
     cpu_path_s: float = 0.0   # the same jobs' time from their submission to their result (the wake-up included)
     cpu_s_model: float = 0.0  # the same jobs' time as the runtime's cost model predicted it (0: no cost model)
+    pairs_mapped: int = 0     # computed by the GPU from the expert's blob in host memory (mapped misses)
+    experts_mapped: int = 0
+    bytes_mapped: int = 0     # read over PCIe by those computations (a blob once per block of pairs)
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
 
@@ -108,6 +111,8 @@ class Aggregate:
             "hits_per_loaded_expert": tot["pairs_hit"] / max(tot["loads"] + tot["prefetches"], 1),
             "h2d_gb_per_iteration": tot["bytes_h2d"] / 1e9 / forwards,
             "cpu_pairs_per_iteration": tot["pairs_cpu"] / forwards,
+            "mapped_pairs_per_iteration": tot["pairs_mapped"] / forwards,
+            "mapped_gb_per_iteration": tot["bytes_mapped"] / 1e9 / forwards,
             "loads_per_iteration": tot["loads"] / forwards,
             "unique_experts_per_layer_iteration": tot["experts"] / (forwards * len(self.layers)),
             "cpu_ms_per_iteration": self.cpu_s * 1e3 / forwards,

@@ -1,0 +1,166 @@
+"""Mapped misses (EngineConfig.mapped_misses, ExpertManager.run_mapped): a denoising iteration's misses computed by the
+fused MoE kernels from the expert store in host memory, with no host step inside the forward; the policy decides from
+each layer's routing once the forward is queued, and its loads fill slots for the next forwards. On the CPU through
+Triton's interpreter (tiny models, fp32): every policy gives `full`'s tokens, each forward starts with the device slot
+map equal to the host's slot tables, the statistics split every pair into a hit or a mapped miss, and the other
+forwards (prefill, cache fills) keep the host round trip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+
+triton = import_triton_for_the_interpreter()
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+PROMPT = "def fib(n):\n"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    mp = interpreted_kernels("kernel_math", "moe_align_kernel", "moe_kernel")
+    yield
+    mp.undo()
+
+
+def _llm(policy, budget, mapped=True, **kw):
+    import oled
+
+    return oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy=policy, expert_budget=budget,
+                    fused_moe=True, mapped_misses=mapped, **kw)
+
+
+def _generate(llm, gen_length=32):
+    from oled.decoding.params import DecodeParams
+
+    ids = llm.tokenizer.encode(PROMPT)
+    return llm.engine.generate_ids(ids, DecodeParams(gen_length=gen_length, block_length=16)).token_ids
+
+
+@pytest.fixture(scope="module")
+def full_tokens(kernels):
+    return _generate(_llm("full", "1.0", mapped=False))
+
+
+@pytest.mark.parametrize("policy,budget,options", [("lru", "0.5", {}), ("oled", "0.5", {}), ("oled-coop", "0.3", {}),
+                                                   ("oled-retain", "0.3", {}), ("prefetch", "0.5", {}),
+                                                   ("tide", "0.5", {}), ("lru", "0.3", {"misses": "cooperative"})])
+def test_every_policy_gives_the_tokens_of_full(kernels, full_tokens, policy, budget, options):
+    """No pair is computed on the CPU and a pair's bits do not depend on where its expert's weights were read, so
+    every policy decodes full's tokens; each forward starts with the device slot map equal to the slot tables. A
+    cooperative split has nothing to split (every miss was served): its misses are loaded."""
+    llm = _llm(policy, budget, **options)
+    manager = llm.engine.manager
+    assert manager.mapped and not manager.all_resident
+    checked = []
+    residency_begin = manager.residency.begin_forward
+
+    def begin_forward(info, **kw):          # after the manager settled the copies decided in the last forward
+        for pos, layer in enumerate(manager.layers):
+            row = np.full(manager.config.num_experts, -1)
+            for e, s in manager.cache.resident(layer).items():
+                row[e] = s
+            assert np.array_equal(manager.slot_map[pos].numpy(), row), (info, layer)
+            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
+        checked.append(info.kind)
+        return residency_begin(info, **kw)
+
+    manager.residency.begin_forward = begin_forward
+    assert _generate(llm) == full_tokens
+    assert checked.count("iteration") >= 2
+    summary = manager.stats.summary()
+    assert summary["cpu_pairs_per_iteration"] == 0
+    assert summary["mapped_pairs_per_iteration"] > 0 and summary["loads_per_iteration"] > 0
+
+
+def test_each_pair_is_a_hit_or_a_mapped_miss_and_loads_fit_beside_the_hits(kernels, full_tokens):
+    llm = _llm("lru", "0.4")
+    assert _generate(llm) == full_tokens
+    manager = llm.engine.manager
+    capacity, expert_bytes = manager.cache.capacity, manager.store.expert_bytes
+    iterations = [r for r in manager.stats.records if r.kind == "iteration"]
+    assert iterations and any(r.pairs_mapped for r in iterations)
+    for r in iterations:
+        assert r.pairs_hit + r.pairs_mapped == r.pairs and r.experts_hit + r.experts_mapped == r.experts
+        assert r.pairs_cpu == r.experts_cpu == 0
+        # one wave: loads beside the layer's hits; the kernels read a missed blob once per 16 of its pairs
+        assert r.loads <= capacity - r.experts_hit and r.loads <= r.experts_mapped
+        assert r.experts_mapped * expert_bytes <= r.bytes_mapped <= r.pairs_mapped * expert_bytes
+        assert r.bytes_h2d == r.loads * expert_bytes
+
+def test_a_prefill_keeps_the_host_round_trip_and_reads_cpu_misses_from_host_memory(kernels):
+    """A prefill takes the host round trip (it copies most of its misses once); the misses its policy sends to the
+    CPU (fiddler: every miss outside the static placement) are read from host memory by the first wave instead, so
+    no pair is computed on the CPU and the tokens are full's. An iteration with more than 16 pairs an expert on
+    average would take the host round trip too."""
+    from oled.decoding.params import DecodeParams
+    from oled.policies.base import ForwardInfo
+
+    prompt_text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 3
+    params = DecodeParams(gen_length=16, block_length=16)
+    reference = _llm("full", "1.0", mapped=False)
+    prompt = reference.tokenizer.encode(prompt_text)
+    want = reference.engine.generate_ids(prompt, params).token_ids
+    llm = _llm("full", "1.0", mapped=False)
+    llm.engine.generate_ids(prompt, params)
+    llm.engine.cfg.mapped_misses = True
+    llm.engine.set_runtime("fiddler", "0.5", popularity=llm.engine.manager.stats.popularity())
+    manager, config = llm.engine.manager, llm.engine.config
+    assert manager.mapped
+    assert llm.engine.generate_ids(prompt, params).token_ids == want
+    prefill = [r for r in manager.stats.records if r.kind == "prefill"]
+    assert prefill and sum(r.pairs_mapped for r in prefill) > 0
+    assert all(r.pairs_cpu == 0 and r.pairs_hit + r.pairs_mapped == r.pairs for r in prefill)
+    iterations = [r for r in manager.stats.records if r.kind == "iteration"]
+    assert sum(r.pairs_mapped for r in iterations) > 0 and all(r.pairs_cpu == 0 for r in iterations)
+    limit = config.num_experts * 16 // config.top_k
+
+    def info(kind, tokens):
+        return ForwardInfo(kind=kind, start=0, tokens=tokens, block_start=0, block_length=16)
+
+    assert manager.takes_mapped_path(info("iteration", limit))
+    assert not manager.takes_mapped_path(info("iteration", limit + 1))
+    assert not manager.takes_mapped_path(info("prefill", 16))
+
+
+def test_a_miss_loaded_after_one_iteration_is_a_hit_in_the_next(kernels):
+    """The loads a layer's decision makes in one iteration are resident when the layer runs in the next forward: a
+    miss the policy loaded and the next iteration needs again is a hit there (one forward's lag, not two)."""
+    llm = _llm("lru", "0.5")
+    manager = llm.engine.manager
+    seen = {}
+    end_layer = manager.residency.end_layer
+
+    def record(step):
+        end_layer(step)
+        misses = set(step.demand) - set(step.hits)
+        seen[manager.stats.forward, step.layer] = (manager.stats.kind, set(step.demand), set(step.hits),
+                                                   misses & set(manager.cache.resident(step.layer)))
+
+    manager.residency.end_layer = record
+    _generate(llm)
+    reused = 0
+    for (f, layer), (kind, _, _, loaded) in seen.items():
+        following = seen.get((f + 1, layer))
+        if kind != "iteration" or following is None or following[0] != "iteration":
+            continue
+        again = loaded & following[1]
+        assert again <= following[2], (f, layer)
+        reused += len(again)
+    assert reused > 0
+
+
+def test_mapped_misses_need_the_fused_kernels(kernels):
+    import oled
+
+    with pytest.raises(ValueError, match="fused"):
+        oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="lru", expert_budget="0.5",
+                 fused_moe=False, mapped_misses=True)
+
+
+def test_a_budget_holding_every_expert_ignores_mapped_misses(kernels, full_tokens):
+    llm = _llm("lru", "1.0")
+    assert llm.engine.manager.all_resident and not llm.engine.manager.mapped
+    assert _generate(llm) == full_tokens
