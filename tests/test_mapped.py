@@ -120,9 +120,9 @@ def test_a_prefill_keeps_the_host_round_trip_and_reads_cpu_misses_from_host_memo
     def info(kind, tokens):
         return ForwardInfo(kind=kind, start=0, tokens=tokens, block_start=0, block_length=16)
 
-    assert manager.takes_mapped_path(info("iteration", limit))
-    assert not manager.takes_mapped_path(info("iteration", limit + 1))
-    assert not manager.takes_mapped_path(info("prefill", 16))
+    assert manager.residency.takes_mapped_path(info("iteration", limit))
+    assert not manager.residency.takes_mapped_path(info("iteration", limit + 1))
+    assert not manager.residency.takes_mapped_path(info("prefill", 16))
 
 
 def test_a_miss_loaded_after_one_iteration_is_a_hit_in_the_next(kernels):
@@ -164,3 +164,24 @@ def test_a_budget_holding_every_expert_ignores_mapped_misses(kernels, full_token
     llm = _llm("lru", "1.0")
     assert llm.engine.manager.all_resident and not llm.engine.manager.mapped
     assert _generate(llm) == full_tokens
+
+
+def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
+    """`oled trace` records a mapped run's header (mapped_rows), and a replay through the same policy and budget
+    makes the live run's decisions: every layer record's counters equal, mapped pairs and bytes included; replayed
+    without mapped misses, the same routing gives other decisions."""
+    from oled.decoding.params import DecodeParams
+    from oled.runtime.stats import TIMINGS
+    from oled.trace import record_trace, replay
+
+    for policy in ("lru", "oled"):
+        llm = _llm(policy, "0.4")
+        prompt = llm.tokenizer.encode(PROMPT)
+        trace, _ = record_trace(llm.engine, [("p", prompt)], DecodeParams(gen_length=32, block_length=16))
+        assert trace.header["live"]["mapped_rows"] == 16
+        live = [{k: v for k, v in r.items() if k not in TIMINGS} for r in llm.engine.manager.stats.to_rows()]
+        replayed = replay(trace, policy, trace.header["live"]["expert_budget"])
+        rows = [{k: v for k, v in r.items() if k not in TIMINGS} for r in replayed.stats.to_rows()]
+        assert rows == live and sum(r["pairs_mapped"] for r in rows) > 0
+        plain = replay(trace, policy, trace.header["live"]["expert_budget"], mapped_rows=0).stats.to_rows()
+        assert sum(r["pairs_mapped"] for r in plain) == 0

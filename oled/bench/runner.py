@@ -592,6 +592,15 @@ class Bench:
                          else None)}
 
     # ---------------------------------------------------------------------------------------------- replay
+    def _replay_mapped_rows(self) -> int | None:
+        """BenchConfig.mapped_misses for a replay: None follows the recording, else on (the fused kernels' block
+        of pairs) or off."""
+        if self.cfg.mapped_misses is None:
+            return None
+        from ..kernels.triton_moe import DEFAULT_TILES
+
+        return DEFAULT_TILES.block_m if self.cfg.mapped_misses else 0
+
     def _run_replay(self) -> None:
         from ..trace import Trace, replay
 
@@ -620,7 +629,7 @@ class Bench:
                 if spec.name == "fiddler" and "popularity" not in options:
                     options["popularity"] = cfg.popularity or trace.popularity()
                 try:
-                    mgr = replay(trace, spec.name, budget, costs, **options)
+                    mgr = replay(trace, spec.name, budget, costs, mapped_rows=self._replay_mapped_rows(), **options)
                 except (ValueError, RuntimeError) as e:
                     self._skip(wl_name, spec, budget, str(e))
                     self._tick(1)

@@ -70,6 +70,7 @@ class ExpertManager:
         # EngineConfig.fused_moe: the Triton kernels over the slot pool (oled/kernels/triton_moe.py) instead of
         # grouped_swiglu; they write the served pairs' rows only
         self.fused_swiglu = self.fused_combine = None
+        self.fused_swiglu_rows = 0
         if fused_moe:
             from ..kernels.triton_moe import DEFAULT_TILES, combine_pairs, fused_swiglu_pairs
             self.fused_swiglu, self.fused_combine = fused_swiglu_pairs, combine_pairs
@@ -90,17 +91,19 @@ class ExpertManager:
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
+        mapped_rows = self.fused_swiglu_rows if mapped_misses and self.fused_swiglu is not None else 0
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
-                                   top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs)
+                                   top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs,
+                                   mapped_rows=mapped_rows)
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
         self.all_resident = self.residency.all_resident     # the forward needs no host step: one graph
         # EngineConfig.mapped_misses: a denoising iteration's misses are read by the fused kernels from the pinned
-        # store (mapped, over PCIe) inside the forward, so it needs no host step either (takes_mapped_path); the
-        # policy learns each layer's routing once the forward is queued and its loads fill slots for the next
-        # forwards (run_mapped). No miss is computed on the CPU: on the host round trip (prefill, cache fills) the
-        # misses a policy sends there are read from host memory by the first wave.
+        # store (mapped, over PCIe) inside the forward, so it needs no host step either (which forwards:
+        # Residency.takes_mapped_path); the policy learns each layer's routing once the forward is queued and its
+        # loads fill slots for the next forwards (run_mapped). No miss is computed on the CPU: on the host round
+        # trip (prefill, cache fills) the misses a policy sends there are read from host memory by the first wave.
         self.mapped = bool(mapped_misses) and not self.all_resident
         if self.mapped and self.fused_swiglu is None:
             raise ValueError("mapped misses are read by the fused MoE kernels: they need --fused-moe (Triton)")
@@ -213,15 +216,6 @@ class ExpertManager:
             return self.host_boundary(layer, x, ids, weights, shared)
         return self.run_offloaded(layer, x, ids, weights, shared)
 
-    def takes_mapped_path(self, info: ForwardInfo) -> bool:
-        """With mapped misses, a denoising iteration reads its misses from host memory, unless its experts average
-        more than one block of pairs (BLOCK_M: the kernels read a missed blob once per block of its pairs). A prefill
-        or cache fill touches most experts and loads most of its misses anyway: it copies them once, on the host
-        round trip (a 257-token prefill at 40 % took 271 ms on the mapped path against 200 ms there, BENCHMARKS.md
-        section 18), where the misses a policy sends to the CPU are read from host memory instead."""
-        return (self.mapped and info.kind == "iteration"
-                and info.tokens * self.config.top_k <= self.config.num_experts * self.fused_swiglu_rows)
-
     @property
     def mapped_forward(self) -> bool:
         """The forward under way takes the mapped path (no host step)."""
@@ -310,10 +304,8 @@ class ExpertManager:
         ids_h, weights_h, predicted, x_host = self._read_routing(layer, x.shape[0])
         flat = ids_h.reshape(-1)
         step = self.residency.begin_layer(layer, ids_h, weights_h, predicted)
-        cpu, on_host = step.decision.cpu, []
-        if self.mapped and cpu:       # no miss is computed on the CPU: the first wave reads them from host memory
-            cpu, on_host = [], cpu
-            self.residency.record_mapped(step, on_host, self._mapped_reads(step, on_host))
+        on_host = self.residency.cpu_on_host(step)     # mapped misses: the first wave reads them, not the CPU
+        cpu = [] if on_host else step.decision.cpu
         self._cpu_last_time[layer, len(x)] = bool(cpu)
         cpu_job = self._start_cpu(layer, x_host, flat, cpu, copying=bool(step.decision.load)) if cpu else None
         waves = self.residency.waves(step)
@@ -525,7 +517,7 @@ class ExpertManager:
     def _begin_forward(self, info: ForwardInfo) -> None:
         if self.mapped:
             self._settle_slots()
-            self._mapped_now = self.takes_mapped_path(info)
+            self._mapped_now = self.residency.takes_mapped_path(info)
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -585,17 +577,8 @@ class ExpertManager:
         log, self._routing_log = self._routing_log, []
         for layer, tokens in log:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens)
-            step = self.residency.begin_layer(layer, ids_h, weights_h, mapped=True)
-            misses = step.decision.load + step.decision.cpu
-            self.residency.record_mapped(step, misses, self._mapped_reads(step, misses))
-            first = next(self.residency.waves(step))
+            first = self.residency.decide_mapped(layer, ids_h, weights_h)
             self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
-            self.residency.end_layer(step)
-
-    def _mapped_reads(self, step, experts) -> int:
-        """Times the kernels read these experts' blobs from host memory: once per block of BLOCK_M of its pairs."""
-        rows = self.fused_swiglu_rows
-        return sum(-(-step.demand[e] // rows) for e in experts)
 
     def _settle_slots(self) -> None:
         """Before a forward: the compute waits for the copies decided since the last one, then the device slot map

@@ -38,8 +38,11 @@ class Wave:
 
 class Residency:
     def __init__(self, cache: ExpertCache, policy: Policy, stats: RunStats, *, num_experts: int, top_k: int,
-                 expert_bytes: int, costs=None):
+                 expert_bytes: int, costs=None, mapped_rows: int = 0):
+        """mapped_rows: with mapped misses, the pairs a block of the fused kernels holds (their BLOCK_M), a mapped
+        blob being read once per such block of its pairs; 0: mapped misses off."""
         self.cache, self.policy, self.stats = cache, policy, stats
+        self.top_k, self.mapped_rows = top_k, mapped_rows
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
@@ -149,13 +152,39 @@ class Residency:
         step.rec.prefetches += len(wanted)
         return nxt, wanted, slots
 
-    def record_mapped(self, step: LayerStep, experts: list[int], reads: int) -> None:
-        """Misses the GPU computed from host memory (their blobs read `reads` times in all), none on the CPU: every
-        miss of a layer on the mapped path, whatever the decision (which only says what to load next), or on the
-        host round trip with mapped misses, those the decision sent to the CPU."""
+    # ------------------------------------------------------------------------------------- mapped misses
+    def takes_mapped_path(self, info: ForwardInfo) -> bool:
+        """With mapped misses, a denoising iteration reads its misses from host memory, unless its experts average
+        more than one block of pairs (the kernels read a mapped blob once per block of its pairs). A prefill or
+        cache fill touches most experts and loads most of its misses anyway: it copies them once, on the host
+        round trip (a 257-token prefill at 40 % took 271 ms on the mapped path against 200 ms there, BENCHMARKS.md
+        section 18), where the misses a policy sends to the CPU are read from host memory instead (cpu_on_host)."""
+        return (self.mapped_rows > 0 and info.kind == "iteration"
+                and info.tokens * self.top_k <= self.num_experts * self.mapped_rows)
+
+    def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> Wave:
+        """A layer that ran on the mapped path: every miss was computed from host memory already, so the policy's
+        decision (LayerEvent.mapped) says what to load for later forwards. Returns the loads that fit beside the
+        layer's hits (one wave), their slots taken; the caller copies them."""
+        step = self.begin_layer(layer, ids, weights, mapped=True)
+        self._record_mapped(step, step.decision.load + step.decision.cpu)
+        first = next(self.waves(step))
+        self.end_layer(step)
+        return first
+
+    def cpu_on_host(self, step: LayerStep) -> list[int]:
+        """The host round trip with mapped misses: the misses the decision sends to the CPU, which the first wave
+        reads from host memory instead (recorded as mapped; none with mapped misses off)."""
+        if not self.mapped_rows or not step.decision.cpu:
+            return []
+        self._record_mapped(step, step.decision.cpu)
+        return list(step.decision.cpu)
+
+    def _record_mapped(self, step: LayerStep, experts: list[int]) -> None:
+        """Misses the GPU computed from host memory, none on the CPU; a blob is read once per block of its pairs."""
         rec = step.rec
         rec.experts_mapped, rec.pairs_mapped = len(experts), sum(step.demand[e] for e in experts)
-        rec.bytes_mapped = reads * self.expert_bytes
+        rec.bytes_mapped = sum(-(-step.demand[e] // self.mapped_rows) for e in experts) * self.expert_bytes
         rec.experts_cpu = rec.pairs_cpu = 0
 
     def end_layer(self, step: LayerStep) -> None:

@@ -50,6 +50,8 @@ def record_trace(engine, prompts, params, *, workload: dict | None = None, predi
     header["live"] = {"policy": engine.policy.name, "misses": getattr(engine.policy, "misses", None),
                       "expert_budget": f"{engine.budget.bytes}b",
                       "budget_fraction": engine.budget.fraction, "slots_per_layer": engine.budget.slots_per_layer,
+                      # mapped misses: the kernels' block of pairs (Residency.mapped_rows); 0: off
+                      "mapped_rows": engine.manager.residency.mapped_rows if engine.manager.mapped else 0,
                       "totals": stats.summary(kinds=KINDS).get("totals", {}),
                       "summary": {k: v for k, v in stats.summary().items() if k != "totals"}}
     return rec.to_trace(header), results

@@ -5,6 +5,10 @@ decision code (oled.runtime.residency.Residency: slot tables, plan, waves, evict
 an expert cache with no memory behind it, so from the same routing it reaches the same decisions and statistics as
 a live run (tests/test_trace.py checks this against `lru`, `lfu` and `prefetch`).
 
+Mapped misses (the live engine's default on CUDA, recorded in the trace's header): a denoising iteration's layers
+are decided as the live manager decides them after the forward (Residency.decide_mapped), and on the host round
+trip the misses a policy sends to the CPU count as read from host memory (Residency.cpu_on_host).
+
 Prefetch: policies that want predictions get the next layer's predicted routing recorded in the trace (that
 layer's router applied to this layer's input, exactly what the live manager computes). A trace recorded without
 predictions falls back to the next layer's actual routing of the same forward (an oracle prediction), and says so.
@@ -34,8 +38,9 @@ def future_demand(layers, runs) -> dict[int, list[set[int]]]:
 
 
 def decide_layer(res: Residency, layer: int, ids: np.ndarray, weights: np.ndarray, predicted=None) -> None:
-    """One layer's decisions as the live manager makes them, with no copies and no compute."""
+    """One layer's decisions as the live manager's host round trip makes them, with no copies and no compute."""
     step = res.begin_layer(layer, ids, weights, predicted)
+    res.cpu_on_host(step)
     for _ in res.waves(step):
         pass
     res.prefetch(step)
@@ -44,14 +49,16 @@ def decide_layer(res: Residency, layer: int, ids: np.ndarray, weights: np.ndarra
 
 class ReplayManager:
     def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None,
-                 cpu_scales: np.ndarray | None = None):
-        """cpu_scales: per forward, the scale of the CPU costs to plan on (the recording's, with its cost model)."""
+                 cpu_scales: np.ndarray | None = None, mapped_rows: int = 0):
+        """cpu_scales: per forward, the scale of the CPU costs to plan on (the recording's, with its cost model);
+        mapped_rows: as the live run's Residency (its kernels' block of pairs with mapped misses, else 0)."""
         model = trace.header["model"]
         self.trace, self.policy, self.budget, self.cpu_scales = trace, policy, budget, cpu_scales
         self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta")   # slot tables only
         self.stats = RunStats()
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
-                                   top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs)
+                                   top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs,
+                                   mapped_rows=mapped_rows)
         self.residency.place_initial()
         if policy.needs_future:
             policy.set_future(future_demand(trace.layers, ((int(layer), trace.run_ids(i))
@@ -72,12 +79,15 @@ class ReplayManager:
         t, policy, res = self.trace, self.policy, self.residency
         static_log: list[tuple[int, np.ndarray, np.ndarray]] = []
         all_resident = res.all_resident           # as the live manager's all-resident path
-        forward = -1
+        forward, mapped = -1, False
         for op, arg in t.ops.tolist():
             if op == RUN:
                 layer, ids = int(t.run_layer[arg]), t.run_ids(arg).astype(np.int64)
                 if all_resident:
                     static_log.append((layer, ids, t.run_weights(arg).copy()))
+                    continue
+                if mapped:                        # as the live manager's mapped path: no prediction
+                    res.decide_mapped(layer, ids, t.run_weights(arg).copy())
                     continue
                 predicted = None
                 if policy.wants_prediction and (nxt := res.next_layer(layer)) is not None:
@@ -87,7 +97,9 @@ class ReplayManager:
             elif op == BEGIN:
                 forward += 1
                 scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
-                res.begin_forward(t.forward_info(forward), cpu_scale=scale)
+                info = t.forward_info(forward)
+                mapped = not all_resident and res.takes_mapped_path(info)
+                res.begin_forward(info, cpu_scale=scale)
             elif op == END:
                 for layer, ids, weights in static_log:
                     res.record_resident(layer, ids, weights)
@@ -126,10 +138,11 @@ def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, 
 
 
 def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
-           **options) -> ReplayManager:
+           mapped_rows: int | None = None, **options) -> ReplayManager:
     """Replay `trace` through a policy (name and make_policy options, or an instance) at a budget. Policies that
     plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any,
-    with each forward's CPU scale as recorded (runtime/cpu_feedback.py)."""
+    with each forward's CPU scale as recorded (runtime/cpu_feedback.py). mapped_rows: the live engine's
+    mapped misses (its kernels' block of pairs; 0: off); None: as the recording ran (its header's "live")."""
     model = trace.header["model"]
     budget = parse_budget(expert_budget, num_layers=len(trace.layers), num_experts=model["num_experts"],
                           expert_bytes=model["expert_bytes"])
@@ -138,6 +151,8 @@ def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel |
     cpu_scales = None
     if costs is None and trace.header.get("costs"):     # the recording's costs, as its forwards planned on them
         costs, cpu_scales = CostModel.from_dict(trace.header["costs"]), trace.fwd_cpu_scale
-    mgr = ReplayManager(trace, budget, policy, costs, cpu_scales)
+    if mapped_rows is None:
+        mapped_rows = int(trace.header.get("live", {}).get("mapped_rows", 0))
+    mgr = ReplayManager(trace, budget, policy, costs, cpu_scales, mapped_rows)
     mgr.replay()
     return mgr
