@@ -185,3 +185,26 @@ def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
         assert rows == live and sum(r["pairs_mapped"] for r in rows) > 0
         plain = replay(trace, policy, trace.header["live"]["expert_budget"], mapped_rows=0).stats.to_rows()
         assert sum(r["pairs_mapped"] for r in plain) == 0
+
+
+def test_the_traffic_replay_of_the_three_miss_paths():
+    """benchmarks/mapped_traffic.py on the bundled model's trace: the host round trip reads nothing mapped, the mapped
+    path computes nothing on the CPU and adds the mapped reads to its copies, and the hybrid replays each block's
+    first forward on the host round trip (fewer mapped bytes than the mapped path)."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.trace import Trace
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("mapped_traffic", root / "benchmarks/mapped_traffic.py")
+    traffic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traffic)
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    rows = {path: traffic.run(trace, "lru", "0.5", path, gbps=50.0) for path in traffic.PATHS}
+    assert rows["host"]["mapped_gb"] == 0 and rows["host"]["copied_gb"] > 0
+    assert rows["mapped"]["mapped_gb"] > 0 and rows["mapped"]["cpu_pairs"] == 0
+    assert 0 < rows["hybrid"]["mapped_gb"] < rows["mapped"]["mapped_gb"]
+    for r in rows.values():
+        assert r["pcie_gb"] == pytest.approx(r["copied_gb"] + r["mapped_gb"])
+        assert r["pcie_ms"] == pytest.approx(r["pcie_gb"] / 50.0 * 1e3)

@@ -143,6 +143,14 @@ def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel |
     plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any,
     with each forward's CPU scale as recorded (runtime/cpu_feedback.py). mapped_rows: the live engine's
     mapped misses (its kernels' block of pairs; 0: off); None: as the recording ran (its header's "live")."""
+    mgr = replay_manager(trace, policy, expert_budget, costs, mapped_rows, **options)
+    mgr.replay()
+    return mgr
+
+
+def replay_manager(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
+                   mapped_rows: int | None = None, **options) -> ReplayManager:
+    """The ReplayManager that replay() runs, built but not run (to adjust its Residency first)."""
     model = trace.header["model"]
     budget = parse_budget(expert_budget, num_layers=len(trace.layers), num_experts=model["num_experts"],
                           expert_bytes=model["expert_bytes"])
@@ -153,6 +161,4 @@ def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel |
         costs, cpu_scales = CostModel.from_dict(trace.header["costs"]), trace.fwd_cpu_scale
     if mapped_rows is None:
         mapped_rows = int(trace.header.get("live", {}).get("mapped_rows", 0))
-    mgr = ReplayManager(trace, budget, policy, costs, cpu_scales, mapped_rows)
-    mgr.replay()
-    return mgr
+    return ReplayManager(trace, budget, policy, costs, cpu_scales, mapped_rows)

@@ -1,0 +1,84 @@
+"""PCIe traffic of the miss paths, replayed from a trace on the CPU: the host round trip (each miss copied once, or
+computed on the CPU), mapped misses (read by the kernels, then copied if the policy keeps it), and a hybrid that
+replays each block's first forward on the host round trip (a block's first iterations miss the most; not built in
+the engine). Bytes only, no timing: the PCIe time is bytes / --gbps.
+
+    python benchmarks/mapped_traffic.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 --policies lru,oled \
+        --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl
+
+One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per
+denoising iteration; and CPU pairs per iteration (host round trip only). Bytes count the trace's experts (a routing
+proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB): compare the paths' ratios. A policy that plans on costs (oled,
+oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or an `oled bench` results.jsonl whose first line
+with a cost model gives it (the trace's own is used otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from oled.kernels.triton_moe import DEFAULT_TILES
+from oled.runtime.cost_model import CostModel
+from oled.runtime.residency import Residency
+from oled.trace import Trace
+from oled.trace.replay import replay_manager
+
+PATHS = ("host", "mapped", "hybrid")
+
+
+class BlockStartOnHost:
+    """Residency.takes_mapped_path, except that a block's first forward (a new block_start) takes the host round
+    trip: set on one Residency for the hybrid replay."""
+
+    def __init__(self, residency: Residency):
+        self.mapped, self.last_block = residency.takes_mapped_path, None
+
+    def __call__(self, info) -> bool:
+        first = info.kind == "iteration" and info.block_start != self.last_block
+        if info.kind == "iteration":
+            self.last_block = info.block_start
+        return self.mapped(info) and not first
+
+
+def load_costs(path: str | None) -> CostModel | None:
+    if path is None:
+        return None
+    text = open(path).read()
+    if path.endswith(".jsonl"):
+        model = next((row["cost_model"] for row in map(json.loads, text.splitlines()) if row.get("cost_model")), None)
+        if model is None:
+            raise SystemExit(f"{path}: no line carries a cost model")
+        return CostModel.from_dict(model)
+    return CostModel.from_json(text)
+
+
+def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None) -> dict:
+    mgr = replay_manager(trace, policy, budget, costs, mapped_rows=0 if path == "host" else DEFAULT_TILES.block_m)
+    if path == "hybrid":
+        mgr.residency.takes_mapped_path = BlockStartOnHost(mgr.residency)
+    mgr.replay()
+    s = mgr.stats.summary()
+    copied, mapped = s["h2d_gb_per_iteration"], s["mapped_gb_per_iteration"]
+    return {"policy": policy, "budget": budget, "path": path, "hit_rate_tokens": s["hit_rate_tokens"],
+            "copied_gb": copied, "mapped_gb": mapped, "pcie_gb": copied + mapped,
+            "pcie_ms": (copied + mapped) / gbps * 1e3, "cpu_pairs": s["cpu_pairs_per_iteration"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--budgets", default="0.6,0.4,0.25")
+    ap.add_argument("--policies", default="lru,oled")
+    ap.add_argument("--gbps", type=float, default=55.0, help="pinned H2D bandwidth for the time column (GB/s)")
+    ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one")
+    args = ap.parse_args(argv)
+    trace, costs = Trace.load(args.trace), load_costs(args.costs)
+    for policy in args.policies.split(","):
+        for budget in args.budgets.split(","):
+            for path in PATHS:
+                print(json.dumps(run(trace, policy, budget, path, args.gbps, costs)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
