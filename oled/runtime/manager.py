@@ -7,7 +7,8 @@ one grouped computation over the loaded slots (waiting only for this layer's cop
 (token, expert) output in routing order, so the result does not depend on where an expert ran. The host's
 decisions overlap the hits' compute instead of holding the GPU idle.
 With every expert resident (`full`, or any policy at a budget that holds them all) there is nothing to decide and
-no host round trip at all.
+no host round trip at all. With mapped misses (run_mapped) a denoising iteration has none either: the fused kernels
+read its misses from the pinned store, and the policy's decisions, taken behind the GPU, load for the next forwards.
 """
 from __future__ import annotations
 
@@ -120,12 +121,13 @@ class ExpertManager:
         self._slot_flip = [0] * len(self.layers)
         self._slots_changed.clear()               # the map was just built from the tables
         self._routing_events: dict[int, torch.cuda.Event] = {}
-        # (layer, tokens) -> the buffers its routing is read back into and their event: fixed, so that a graph
-        # replaying the read-back writes where the host step reads
-        self._readback: dict[tuple[int, int], tuple] = {}
+        # (layer, tokens, with the input, with a prediction) -> the buffers its routing is read back into and their
+        # event: fixed, so that a graph replaying the read-back writes where the host step reads
+        self._readback: dict[tuple, tuple] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._routing_log: list[tuple] = []       # all-resident path: (layer, ids, weights) kept on device until
-                                                  # the forward ends, then recorded in one transfer
+                                                  # the forward ends, then recorded in one transfer; mapped path:
+                                                  # (layer, tokens), whose read-back end_forward takes
         # Set while a segmented CUDA graph is captured (decoding/graphs.py): called instead of run_offloaded.
         self.host_boundary = None
         self._overlap = False                     # inside overlapped(): host work queued (see there)
@@ -283,12 +285,16 @@ class ExpertManager:
             if ready is None:       # external: recorded by every replay of a graph that captured it
                 ready = self._routing_events[layer] = torch.cuda.Event(external=True)
             ready.record()
-        self._readback[layer, x.shape[0]] = (bufs, ready, ids_next is not None, cpu_input)
+        # by path too: a graph of one path replays its read-back without this code, so the other path's forward of
+        # the same shape must not change what the host reads after it
+        self._readback[layer, x.shape[0], cpu_input, predict] = (bufs, ready, ids_next is not None, cpu_input)
 
-    def _read_routing(self, layer, tokens: int):
+    def _read_routing(self, layer, tokens: int, mapped: bool = False):
         """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
-        waits for the read-back begin_offloaded issued. Returns fresh arrays (a policy may keep them)."""
-        bufs, ready, has_prediction, has_input = self._readback[layer, tokens]
+        waits for the read-back begin_offloaded (or run_mapped) issued. Returns fresh arrays (a policy may keep
+        them)."""
+        key = (False, False) if mapped else (self.policy.uses_cpu, self.policy.wants_prediction)
+        bufs, ready, has_prediction, has_input = self._readback[(layer, tokens, *key)]
         if ready is not None:
             ready.synchronize()
         host = [b.numpy().copy() for b in bufs[:2 + has_prediction]]
@@ -576,7 +582,7 @@ class ExpertManager:
         events carry no prediction of the next layer (run_mapped), so a decision has no prefetch."""
         log, self._routing_log = self._routing_log, []
         for layer, tokens in log:
-            ids_h, weights_h, _, _ = self._read_routing(layer, tokens)
+            ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
             first = self.residency.decide_mapped(layer, ids_h, weights_h)
             self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
 
