@@ -92,10 +92,9 @@ class ExpertManager:
         if policy.uses_cpu and cpu_kernel is None:
             raise ValueError(f"policy {policy.name!r} computes misses on the CPU but no CPU expert kernel was given")
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
-        mapped_rows = self.fused_swiglu_rows if mapped_misses and self.fused_swiglu is not None else 0
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
                                    top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs,
-                                   mapped_rows=mapped_rows)
+                                   mapped_rows=self.fused_swiglu_rows if mapped_misses else 0)
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
