@@ -154,12 +154,13 @@ class Residency:
 
     # ------------------------------------------------------------------------------------- mapped misses
     def takes_mapped_path(self, info: ForwardInfo) -> bool:
-        """With mapped misses, a denoising iteration reads its misses from host memory, unless its experts average
+        """With mapped misses (and a budget that does not hold every expert: that is the all-resident path), a
+        denoising iteration reads its misses from host memory, unless its experts average
         more than one block of pairs (the kernels read a mapped blob once per block of its pairs). A prefill or
         cache fill touches most experts and loads most of its misses anyway: it copies them once, on the host
         round trip (a 257-token prefill at 40 % took 271 ms on the mapped path against 200 ms there, BENCHMARKS.md
         section 18), where the misses a policy sends to the CPU are read from host memory instead (cpu_on_host)."""
-        return (self.mapped_rows > 0 and info.kind == "iteration"
+        return (self.mapped_rows > 0 and not self.all_resident and info.kind == "iteration"
                 and info.tokens * self.top_k <= self.num_experts * self.mapped_rows)
 
     def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> Wave:

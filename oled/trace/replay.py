@@ -98,7 +98,7 @@ class ReplayManager:
                 forward += 1
                 scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
                 info = t.forward_info(forward)
-                mapped = not all_resident and res.takes_mapped_path(info)
+                mapped = res.takes_mapped_path(info)
                 res.begin_forward(info, cpu_scale=scale)
             elif op == END:
                 for layer, ids, weights in static_log:
