@@ -140,7 +140,7 @@ for d in filter(os.path.isdir, sys.argv[1:]):
 PY
 fi
 if has ttft; then
-  timeout ${TTFT_S:-300} python3 benchmarks/ttft.py --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
+  timeout ${TTFT_S:-300} python3 benchmarks/ttft.py --policy ${TTFT_POLICY:-lru} --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
     --prompt-tokens ${TTFT_PROMPTS:-32,512,2048} --repeats 3 ${TTFT_FLAGS:-} --out $R/ttft.jsonl > $R/ttft.log 2>&1
   echo "ttft rc=$?"; cp $R/ttft.jsonl $OUT/ 2>/dev/null
   python3 -c "
@@ -149,7 +149,8 @@ for l in open(sys.argv[1]):
     r = json.loads(l)
     print(r['budget'], r['prompt_tokens'], 'prefill %.1f ms (floor %.1f)' % (r['prefill_s'] * 1e3, r['prefill_floor_s'] * 1e3),
           'TTFT %.1f ms (floor %.1f)' % (r['ttft_s'] * 1e3, r['ttft_floor_s'] * 1e3),
-          'TTFT / max(floor, 100 %%) %.2f' % r.get('ttft_over_bound', float('nan')))" $R/ttft.jsonl 2>/dev/null
+          'TTFT / max(floor, 100 %%) %.2f' % r.get('ttft_over_bound', float('nan')),
+          'first block %d iterations, %.2f ms each' % (r['first_block_iterations'], r['first_block_ms_per_iteration']))" $R/ttft.jsonl 2>/dev/null
 fi
 if has overhead; then
   # OVERHEAD_MODES: "fused" (OVERHEAD_FUSED, default --fused: every Triton kernel, the engine's default on CUDA)

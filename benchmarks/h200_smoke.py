@@ -42,9 +42,10 @@ def run(label):
 
 
 llm.engine.cfg.mapped_misses = False     # the host round trip's paths first; the mapped path at the end
-graphs, llm.engine.graphs = llm.engine.graphs, None
+runner = llm.engine.runner
+graphs, runner.graphs = runner.graphs, None        # the reference: every forward eager
 eager = run("full (eager)")
-llm.engine.graphs = graphs
+runner.graphs = graphs
 status = 0
 if graphs is None:
     print("no CUDA graphs (not on CUDA, or disabled)")
@@ -98,25 +99,29 @@ for policy, budget, options in SEGMENTED if graphs is not None else []:
     finally:
         llm.engine.cfg.offload_graphs = False
 # Mapped misses: no policy computes on the CPU, and a pair's bits do not depend on where its expert's weights are
-# read from, so every policy gives full's tokens, eager and with graphs (one segment a forward).
-MAPPED = [] if not llm.engine.kernels["fused_moe"] else [("lru", "0.25")] + ([] if QUICK else [("oled", "0.25"),
-                                                                                                ("oled-coop", "0.4")])
-for policy, budget in MAPPED:
+# read from, so every policy gives full's tokens, eager and with graphs (one segment a forward); with capture slots
+# too (the kernels write the misses into free slots as they read them: resident with no copy).
+MAPPED = [] if not llm.engine.kernels["fused_moe"] else [("lru", "0.25", 0), ("lru", "0.25", 4)] + (
+    [] if QUICK else [("oled", "0.25", 0), ("oled", "0.25", 4), ("oled-coop", "0.4", 0)])
+for policy, budget, capture in MAPPED:
     try:
-        llm.engine.cfg.mapped_misses = True
+        llm.engine.cfg.mapped_misses, llm.engine.cfg.capture_slots = True, capture
         for offload_graphs in (False, True) if graphs is not None else (False,):
             llm.engine.cfg.offload_graphs = offload_graphs
             llm.engine.set_runtime(policy, budget)
-            toks = run(f"{policy} {budget} mapped {'graphs' if offload_graphs else 'eager'}")
+            label = f"{policy} {budget} mapped{f' capture {capture}' if capture else ''}"
+            toks = run(f"{label} {'graphs' if offload_graphs else 'eager'}")
             s, g = llm.stats(), llm.engine.graphs
-            print(f"{'':18s} mapped pairs/iter {s.get('mapped_pairs_per_iteration', 0):.1f}, H2D GB/iter "
+            print(f"{'':18s} mapped pairs/iter {s.get('mapped_pairs_per_iteration', 0):.1f}, captured/iter "
+                  f"{s.get('captured_experts_per_iteration', 0):.1f}, H2D GB/iter "
                   f"{s.get('h2d_gb_per_iteration', 0):.3f}; graphs {g.captures if g else 0} captures, "
                   f"{g.replays if g else 0} replays; tokens {'identical to' if toks == eager else 'DIFFERENT from'} "
                   f"full", flush=True)
             if toks != eager:
                 status = status or 4
     except Exception as e:
-        status = status or failed(f"{policy} {budget} with mapped misses", e)
+        status = status or failed(f"{policy} {budget} with mapped misses (capture {capture})", e)
     finally:
         llm.engine.cfg.mapped_misses = llm.engine.cfg.offload_graphs = False
+        llm.engine.cfg.capture_slots = 0
 sys.exit(status)

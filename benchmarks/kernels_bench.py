@@ -29,8 +29,9 @@ reference's bits on NORM_EQUAL_FRACTION of the elements and lie within NORM_MAX_
 Mapped: a decode step (32 tokens, 32 experts) over a layer whose 256 experts sit both in device slots and in a
 pinned host store, with m of the step's experts missing from the slot map (m in MAPPED_MISSES), so the kernels read
 them from host memory over PCIe: the call's time against m = 0, the mapped bytes' effective GB/s, and the copy
-engine's time to copy the same m blobs (what a load into slots costs before the compute can start); outputs must
-equal m = 0's bit for bit.
+engine's time to copy the same m blobs (what a load into slots costs before the compute can start), and the same call
+capturing the m experts into free slots as it reads them (capture=, what --capture-slots runs); outputs must equal
+m = 0's bit for bit, and each captured slot must hold its expert's blob.
 
 Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
 2 no CUDA device or no Triton.
@@ -328,7 +329,9 @@ def mapped_case(misses, *, device, timer, counter, tokens=32, unique=32, experts
     store = torch.randn(experts, 3 * inter * hidden, generator=g).to(torch.bfloat16) * hidden**-0.5
     store[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5
     store = store.pin_memory() if torch.device(device).type == "cuda" else store
-    pool = store.to(device)                                          # every expert in slot = its id
+    # every expert in slot = its id, then `misses` free slots for the captured call
+    pool = torch.cat([store.to(device), torch.zeros(max(misses, 1), store.shape[1], device=device,
+                                                    dtype=store.dtype)])
     x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
     ids = moe_routing(tokens, unique, experts, top_k, g).to(device)
     used = torch.unique(ids)
@@ -338,17 +341,26 @@ def mapped_case(misses, *, device, timer, counter, tokens=32, unique=32, experts
     slot_map[gone] = -1
     pairs = tokens * top_k
 
-    def run(slot_map, out):
-        fused_swiglu_pairs(x, ids, pool, hidden, inter, out, slot_map=slot_map, host=store)
+    capture = torch.arange(experts, experts + misses, device=device)
+
+    def run(slot_map, out, capture=None):
+        fused_swiglu_pairs(x, ids, pool, hidden, inter, out, slot_map=slot_map, host=store, capture=capture)
 
     want, got = (torch.full((pairs, hidden), math.nan, device=device, dtype=torch.bfloat16) for _ in range(2))
     run(every, want)
     run(slot_map, got)
     bits = compare_bits(want, got)
+    captured_out = torch.full_like(got, math.nan)
+    run(slot_map, captured_out, capture)
+    in_order = torch.sort(gone).values                      # captured in increasing expert id
+    slots_hold = bool(torch.equal(pool[experts:experts + misses].cpu(), store[in_order.cpu()])) if misses else True
     check = {"equal_fraction": bits["equal_fraction"], "all_written": bool(torch.isfinite(got).all()),
-             "ok": bits["equal_fraction"] == 1.0 and bool(torch.isfinite(got).all())}
+             "captured_equal": bool(torch.equal(captured_out, got)), "captured_slots_hold_blobs": slots_hold,
+             "ok": bits["equal_fraction"] == 1.0 and bool(torch.isfinite(got).all())
+             and bool(torch.equal(captured_out, got)) and slots_hold}
     out = torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)
     resident_us, mapped_us = timer(run, [(every, out)]), timer(run, [(slot_map, out)])
+    captured_us = timer(run, [(slot_map, out, capture)])
     blobs = gone.cpu().tolist()
     slots = pool[:max(misses, 1)]
 
@@ -363,7 +375,8 @@ def mapped_case(misses, *, device, timer, counter, tokens=32, unique=32, experts
             "mapped_bytes": mapped_bytes, "resident_us": resident_us, "mapped_us": mapped_us,
             "mapped_extra_us": extra_us, "mapped_gbps": gbps(mapped_bytes, extra_us) if misses and extra_us > 0 else None,
             "copy_us": copy_us, "copy_gbps": gbps(mapped_bytes, copy_us) if misses else None,
-            "copy_then_resident_us": copy_us + resident_us, "fused": counter(run, (slot_map, out)), "check": check}
+            "copy_then_resident_us": copy_us + resident_us, "captured_us": captured_us,
+            "capture_extra_us": captured_us - mapped_us, "fused": counter(run, (slot_map, out)), "check": check}
 
 
 def compare_bits(want, got) -> dict:

@@ -5,6 +5,7 @@ random ids of the vocabulary (seeded), on the cache the requests before it left,
 it. Per request:
   - prefill: the prompt's forwards (GenerationResult.prefill_s);
   - TTFT: from the request's start to its first block of tokens (the first on_block call);
+  - the first block's iterations and their mean time (what TTFT adds to the prefill: compute, and their own misses);
   - floor: the expert bytes that had to cross PCIe until then (each layer-forward's needed experts that were not
     resident when it ran, the stats' experts - experts_hit) over the measured pinned H2D bandwidth, for the prefill
     and for the TTFT separately.
@@ -63,6 +64,10 @@ def one_request(engine: Engine, ids: list[int], params: DecodeParams, gbps: floa
     eb = engine.store.expert_bytes
     floor = lambda records: missed_bytes(records, eb) / (gbps * 1e9) if gbps == gbps else float("nan")  # noqa: E731
     return {"prefill_s": res.prefill_s, "ttft_s": first.get("s", float("nan")),
+            # the first block's denoising iterations and their mean wall time (TTFT - prefill over them)
+            "first_block_iterations": res.iterations_per_block[0] if res.iterations_per_block else 0,
+            "first_block_ms_per_iteration": ((first.get("s", float("nan")) - res.prefill_s) * 1e3
+                                             / max(res.iterations_per_block[0] if res.iterations_per_block else 1, 1)),
             "prefill_floor_s": floor(prefill), "ttft_floor_s": floor(upto_first),
             "prefill_missed_bytes": missed_bytes(prefill, eb), "ttft_missed_bytes": missed_bytes(upto_first, eb)}
 

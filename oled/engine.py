@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import FUSED_KERNELS, EngineConfig
-from .decoding import rules
-from .decoding.graphs import ForwardGraphs
+from .decoding.model_runner import ModelRunner
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
@@ -56,15 +55,13 @@ class Engine:
         if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
             raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
                              "its misses itself")
+        if not isinstance(cfg.capture_slots, int) or cfg.capture_slots < 0:
+            raise ValueError(f"--capture-slots must be an integer >= 0, got {cfg.capture_slots!r}")
         from .runtime.cpu_kernel import check_knobs
         check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
         self.device = pick_device(cfg.device)
         self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_*: name -> on
-        self.predict = rules.predict
-        if self.kernels["fused_confidence"]:
-            from .kernels.triton_confidence import predict
-            self.predict = predict
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
@@ -100,14 +97,11 @@ class Engine:
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self._settle_kernels()
-        if self.kernels["fused_router"]:
-            self._use_fused_router()
-        self.model.use_fused_norm(self.kernels["fused_norm"])
-        if self.kernels["fused_mlp"]:
-            self.model.use_fused_mlp()
+        # the forward's machinery: the model's kernels, the KV cache, the graphs, the manager's wiring
+        self.runner = ModelRunner(self.model, cuda_graphs=cfg.cuda_graphs, offload_graphs=cfg.offload_graphs)
+        self.runner.use_kernels(self.kernels, self.model_name)
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self.manager: ExpertManager | None = None
-        self.graphs: ForwardGraphs | None = None
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
         self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity,
@@ -118,14 +112,9 @@ class Engine:
         reloading weights (a benchmark sweeps policies and budgets this way). The previous manager's GPU cache pool is
         freed before the new one is allocated. policy_options go to make_policy (tau, popularity: a file path or the
         data itself, ...); options a policy does not take and None values are ignored."""
-        old, self.manager = self.manager, None
-        if self.graphs is not None:
-            self.graphs.clear()
-            self.graphs = None
+        old, self.manager = self.runner.detach(), None
         if old is not None:
             old.close()
-            for block in self.model.moe_blocks():
-                block.experts = None
             del old
             if self.device.type == "cuda":
                 gc.collect()
@@ -150,15 +139,8 @@ class Engine:
         self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
                                      costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
                                      cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
-                                     mapped_misses=self._mapped_misses())
-        # Graphs hold the pool's addresses and a placement, so a new runtime starts with none.
-        static = self.manager.all_resident
-        self.graphs = (ForwardGraphs(self.model, self.manager, segmented=not static)
-                       if self.cfg.cuda_graphs and self.device.type == "cuda" and (static or self.cfg.offload_graphs)
-                       else None)
-        for block in self.model.moe_blocks():
-            block.experts = self.manager
-            self.manager.predictors[block.layer_idx] = block.predicted_routing
+                                     mapped_misses=self._mapped_misses(), capture_slots=self.cfg.capture_slots)
+        self.runner.attach(self.manager)     # graphs hold the pool's addresses and a placement: new ones
 
     # EngineConfig.fused_* field -> (its kernel module, a kernel of it)
     KERNELS = {"fused_router": ("router_kernel", "sigmoid_group_route_kernel"),
@@ -211,20 +193,14 @@ class Engine:
                 raise ValueError(f"{flag} needs a CUDA device (the engine runs on {self.device}), or "
                                  f"TRITON_INTERPRET=1")
 
-    def _use_fused_router(self) -> None:
-        if self.config.router != "sigmoid_group":
-            raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {self.model_name} routes "
-                             f"with {self.config.router}")
-        for block in self.model.moe_blocks():
-            block.use_fused_router()
-
     def set_routing_source(self, source) -> None:
-        """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router). Captured graphs
-        are dropped: they read the router's outputs."""
-        for block in self.model.moe_blocks():
-            block.routing_source = source
-        if self.graphs is not None:
-            self.graphs.clear()
+        """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router)."""
+        self.runner.set_routing_source(source)
+
+    @property
+    def graphs(self):
+        """The runner's CUDA graphs (None: every forward eager)."""
+        return self.runner.graphs
 
     def _check_fits(self) -> None:
         if self.device.type != "cuda":
@@ -241,8 +217,7 @@ class Engine:
     def generate_ids(self, prompt_ids: list[int], params: DecodeParams, on_block=None,
                      cancelled=None) -> GenerationResult:
         params.validate()
-        return generate(self.model, self.manager, prompt_ids, params, on_block=on_block, timer=self.timer,
-                        cancelled=cancelled, graphs=self.graphs, predict=self.predict)
+        return generate(self.runner, prompt_ids, params, on_block=on_block, timer=self.timer, cancelled=cancelled)
 
     def describe(self) -> str:
         return (f"{self.model_name} ({self.config.model_type}, {self.config.num_layers} layers, "

@@ -10,7 +10,7 @@ import torch
 
 import oled
 from oled.decoding import graphs as graphs_mod
-from oled.decoding.graphs import ForwardGraphs
+from oled.decoding.model_runner import ModelRunner
 from oled.decoding.loop import generate
 
 from .costs import balanced_costs
@@ -24,11 +24,12 @@ def llm():
     return oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full")
 
 
-def _run(llm, graphs, gen_length=64, threshold=0.95):
+def _run(llm, runner=None, gen_length=64, threshold=0.95):
+    """One request on `runner` (None: the engine's, which runs every forward eagerly on the CPU)."""
     eng = llm.engine
     eng.manager.stats.reset()
     params = oled.DecodeParams(gen_length=gen_length, threshold=threshold)
-    res = generate(eng.model, eng.manager, eng.tokenizer.encode(PROMPT), params, graphs=graphs)
+    res = generate(runner or eng.runner, eng.tokenizer.encode(PROMPT), params)
     timed = ("cpu_ms_per_iteration", "cpu_cost_model_ratio", "cpu_path_cost_model_ratio")     # wall times: differ between any two runs
     return res, {k: v for k, v in eng.manager.stats.summary().items() if k not in timed}
 
@@ -39,17 +40,19 @@ def _block_of(eng, prompt_tokens: int, length: int = 32) -> torch.Tensor:
     return torch.from_numpy(np.array(ids + [eng.config.mask_token_id] * (length - len(ids))))
 
 
-def _graphs(llm, backend=None, **kw):
+def _runner(llm, backend=None, **kw) -> ModelRunner:
+    """A model runner on the engine's model and manager whose graphs run on the CPU emulator."""
     eng = llm.engine
-    return ForwardGraphs(eng.model, eng.manager, backend=backend or EmulatedGraphs(),
-                         segmented=not eng.policy.static_full, **kw)
+    runner = ModelRunner(eng.model, graph_backend=backend or EmulatedGraphs(), **kw)
+    runner.attach(eng.manager)
+    return runner
 
 
 def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
     llm.engine.set_runtime("full", "1.0")
     eager, eager_stats = _run(llm, None)
-    graphs = _graphs(llm)
-    replayed, stats = _run(llm, graphs)
+    runner = _runner(llm)
+    replayed, stats = _run(llm, runner)
     assert replayed.token_ids == eager.token_ids
     assert replayed.nfe == eager.nfe
     assert stats == eager_stats                        # routing read back from the replays counts like eager
@@ -59,9 +62,9 @@ def test_replayed_forwards_give_the_eager_tokens_and_statistics(llm):
     assert len(PROMPT) < 32 and eager.cache_forwards == 0 and eager.prefill_s >= 0   # no prefill forward
     later_blocks = len(eager.iterations_per_block) - 1
     assert later_blocks >= 2, "the test needs a fused forward that comes back"
-    assert graphs.captures == 2
-    assert graphs.replays == eager.nfe - 1
-    assert graphs.backend.segments == graphs.captures   # a static placement: one segment per forward
+    assert runner.graphs.captures == 2
+    assert runner.graphs.replays == eager.nfe - 1
+    assert runner.graphs.backend.segments == runner.graphs.captures   # a static placement: one segment per forward
 
 
 @pytest.mark.parametrize("policy,budget", [("lru", "0.25"), ("lru", "0.0625"), ("prefetch", "0.25"),
@@ -80,13 +83,13 @@ def test_segmented_replays_of_offloaded_forwards(llm, policy, budget):
     llm.engine.set_runtime(policy, budget, **options)
     eager, eager_stats = _run(llm, None)
     llm.engine.set_runtime(policy, budget, **options)   # the same cold cache for the replayed run
-    graphs = _graphs(llm)
-    replayed, stats = _run(llm, graphs)
+    runner = _runner(llm)
+    replayed, stats = _run(llm, runner)
     assert replayed.token_ids == eager.token_ids
     assert stats == eager_stats                         # hits, misses, copies, CPU pairs: the same decisions
     moe_layers = len(llm.engine.config.moe_layers)
-    assert graphs.replays > 0
-    assert graphs.backend.segments == graphs.captures * (2 * moe_layers + 1)   # two host steps per MoE layer
+    assert runner.graphs.replays > 0
+    assert runner.graphs.backend.segments == runner.graphs.captures * (2 * moe_layers + 1)   # two host steps per MoE layer
     if options.get("misses") == "cooperative":
         assert stats["totals"]["loads"] > 0 and stats["totals"]["pairs_cpu"] > 0
 
@@ -98,35 +101,35 @@ def test_a_replay_that_skipped_a_host_step_would_be_caught(llm, monkeypatch, ski
     experts take several waves, so the finish step has rows to write.)"""
     llm.engine.set_runtime("lru", "0.25")
     eng = llm.engine
-    graphs = _graphs(llm)
-    kv = graphs.kv_cache(64)
+    runner = _runner(llm)
+    kv = runner.kv_cache(64)
     ids, rows = _block_of(eng, prompt_tokens=8), slice(0, 32)
     eager = eng.model(ids, 0, kv, 32, rows).clone()
-    graphs(ids, 0, kv, 32, rows)                         # first use: eager
-    captured = graphs(ids, 0, kv, 32, rows).clone()      # captured and replayed
+    runner.graphs(ids, 0, kv, 32, rows)                         # first use: eager
+    captured = runner.graphs(ids, 0, kv, 32, rows).clone()      # captured and replayed
     assert torch.equal(captured, eager)
-    torch.testing.assert_close(graphs(ids, 0, kv, 32, rows), eager, rtol=0, atol=0)
+    torch.testing.assert_close(runner.graphs(ids, 0, kv, 32, rows), eager, rtol=0, atol=0)
     other = ids.flip(0)                                  # other routing, more experts per layer than slots
     other_eager = eng.model(other, 0, kv, 32, rows).clone()
-    assert torch.equal(graphs(other, 0, kv, 32, rows), other_eager)
-    graphs(ids, 0, kv, 32, rows)
+    assert torch.equal(runner.graphs(other, 0, kv, 32, rows), other_eager)
+    runner.graphs(ids, 0, kv, 32, rows)
     monkeypatch.setattr(graphs_mod._Finish, "run", lambda self, manager: None)
     if skipped == "decide":
         monkeypatch.setattr(graphs_mod._Decide, "run", lambda self, manager: None)
     # the buffers the segments read still hold the slots or rows computed for `ids`
-    assert not torch.allclose(graphs(other, 0, kv, 32, rows), other_eager)
+    assert not torch.allclose(runner.graphs(other, 0, kv, 32, rows), other_eager)
 
 
 def test_kv_cache_persists_and_grows(llm):
     llm.engine.set_runtime("full", "1.0")
-    graphs = _graphs(llm, max_graphs=1)
-    first, _ = _run(llm, graphs, gen_length=32)
-    kv = graphs.kv
-    second, _ = _run(llm, graphs, gen_length=32)
-    assert graphs.kv is kv and second.token_ids == first.token_ids     # same cache, same addresses for graphs
-    assert len(graphs.graphs) <= 1 and graphs.backend.released >= 1   # bounded: older graphs are released
-    longer, _ = _run(llm, graphs, gen_length=260)      # past the first key bucket: a new, larger cache
-    assert graphs.kv is not kv and graphs.kv.max_len > kv.max_len
+    runner = _runner(llm, max_graphs=1)
+    first, _ = _run(llm, runner, gen_length=32)
+    kv = runner.kv
+    second, _ = _run(llm, runner, gen_length=32)
+    assert runner.kv is kv and second.token_ids == first.token_ids     # same cache, same addresses for graphs
+    assert len(runner.graphs.graphs) <= 1 and runner.graphs.backend.released >= 1   # bounded: older graphs are released
+    longer, _ = _run(llm, runner, gen_length=260)      # past the first key bucket: a new, larger cache
+    assert runner.kv is not kv and runner.kv.max_len > kv.max_len
     eager, _ = _run(llm, None, gen_length=260)
     assert longer.token_ids == eager.token_ids
 
@@ -134,11 +137,11 @@ def test_kv_cache_persists_and_grows(llm):
 def test_failed_capture_falls_back_to_eager(llm, caplog):
     llm.engine.set_runtime("full", "1.0")
     eager, eager_stats = _run(llm, None)
-    graphs = _graphs(llm, backend=EmulatedGraphs(fail_capture=True))
+    runner = _runner(llm, backend=EmulatedGraphs(fail_capture=True))
     with caplog.at_level("WARNING", logger="oled"):
-        res, stats = _run(llm, graphs)
+        res, stats = _run(llm, runner)
     assert res.token_ids == eager.token_ids and stats == eager_stats
-    assert not graphs.enabled and graphs.replays == 0
+    assert not runner.graphs.enabled and runner.graphs.replays == 0
     assert "CUDA graph capture failed" in caplog.text
 
 
@@ -154,27 +157,27 @@ def test_a_backend_that_needs_an_eager_first_forward_gets_one(llm):
     llm.engine.set_runtime("full", "1.0")
     backend = EmulatedGraphs()
     backend.needs_eager_first = True
-    graphs = _graphs(llm, backend)
+    runner = _runner(llm, backend)
     eager, _ = _run(llm, None)
-    replayed, _ = _run(llm, graphs)
+    replayed, _ = _run(llm, runner)
     assert replayed.token_ids == eager.token_ids
-    assert graphs.captures == 2
-    assert graphs.replays == eager.nfe - 2          # the first forward and the first fused forward ran eagerly
+    assert runner.graphs.captures == 2
+    assert runner.graphs.replays == eager.nfe - 2          # the first forward and the first fused forward ran eagerly
 
 
 def test_one_off_shapes_are_captured_only_when_they_come_back(llm):
     llm.engine.set_runtime("full", "1.0")
     eng = llm.engine
-    graphs = _graphs(llm)
-    kv = graphs.kv_cache(64)
+    runner = _runner(llm)
+    kv = runner.kv_cache(64)
     ids = torch.from_numpy(np.array(eng.tokenizer.encode(PROMPT)[:40] + [eng.config.mask_token_id] * 24)[:64])
     one_off = slice(32, None)                            # a block's K/V write fused with the next block's iteration
     eager = eng.model(ids, 0, kv, 64, one_off).clone()
-    assert torch.equal(graphs(ids, 0, kv, 64, one_off), eager) and graphs.captures == 0
-    assert torch.equal(graphs(ids, 0, kv, 64, one_off), eager) and graphs.captures == 1
+    assert torch.equal(runner.graphs(ids, 0, kv, 64, one_off), eager) and runner.graphs.captures == 0
+    assert torch.equal(runner.graphs(ids, 0, kv, 64, one_off), eager) and runner.graphs.captures == 1
     steady = slice(0, None)
-    graphs(ids[32:], 32, kv, 64, steady)
-    assert graphs.captures == 2                          # a steady-state iteration: captured at once
+    runner.graphs(ids[32:], 32, kv, 64, steady)
+    assert runner.graphs.captures == 2                          # a steady-state iteration: captured at once
 
 
 def test_one_graph_serves_every_position(llm):
@@ -182,14 +185,14 @@ def test_one_graph_serves_every_position(llm):
     inputs of the graph, not constants baked into it (the emulator reruns only recorded operations)."""
     llm.engine.set_runtime("full", "1.0")
     eng = llm.engine
-    graphs = _graphs(llm)
-    kv = graphs.kv_cache(160)
+    runner = _runner(llm)
+    kv = runner.kv_cache(160)
     gen = torch.Generator().manual_seed(3)
     for start in (0, 32, 64, 96, 128):
         ids = torch.randint(0, eng.config.vocab_size, (32,), generator=gen)
         eager = eng.model(ids, start, kv, start + 32, slice(0, None)).clone()   # also writes this block's K/V
-        assert torch.equal(graphs(ids, start, kv, start + 32, slice(0, None)), eager)
-    assert graphs.captures == 1 and graphs.replays == 5
+        assert torch.equal(runner.graphs(ids, start, kv, start + 32, slice(0, None)), eager)
+    assert runner.graphs.captures == 1 and runner.graphs.replays == 5
 
 
 def test_the_block_length_is_part_of_a_graphs_key(llm):
@@ -197,13 +200,13 @@ def test_the_block_length_is_part_of_a_graphs_key(llm):
     another block length gets a graph of its own, and the tokens of its own mask."""
     llm.engine.set_runtime("full", "1.0")
     eng = llm.engine
-    graphs = _graphs(llm)
-    kv = graphs.kv_cache(64)
+    runner = _runner(llm)
+    kv = runner.kv_cache(64)
     ids, rows = _block_of(eng, prompt_tokens=20), slice(0, 32)
     eager = {B: eng.model(ids, 0, kv, 32, rows, block_length=B).clone() for B in (8, 32)}
     eng.manager.end_forward()
     assert not torch.allclose(eager[8], eager[32])
     for B in (8, 32, 8):
-        assert torch.equal(graphs(ids, 0, kv, 32, rows, block_length=B), eager[B])
+        assert torch.equal(runner.graphs(ids, 0, kv, 32, rows, block_length=B), eager[B])
         eng.manager.end_forward()
-    assert graphs.captures == 2 and graphs.replays == 3
+    assert runner.graphs.captures == 2 and runner.graphs.replays == 3

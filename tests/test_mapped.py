@@ -90,6 +90,45 @@ def test_each_pair_is_a_hit_or_a_mapped_miss_and_loads_fit_beside_the_hits(kerne
         assert r.experts_mapped * expert_bytes <= r.bytes_mapped <= r.pairs_mapped * expert_bytes
         assert r.bytes_h2d == r.loads * expert_bytes
 
+@pytest.mark.parametrize("policy,budget", [("lru", "0.5"), ("oled", "0.4")])
+def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(kernels, full_tokens, policy, budget):
+    """capture_slots: the kernels write the misses they read from host memory into the armed free slots, and the
+    host makes them resident without a copy. Before every forward each resident expert's slot holds its blob and the
+    device slot map equals the tables; the tokens are full's; the same routing copies fewer experts than without
+    capture; and the layers keep their free slots for the next capture."""
+    import torch
+
+    plain = _llm(policy, budget)
+    assert _generate(plain) == full_tokens
+    llm = _llm(policy, budget, capture_slots=2)
+    manager = llm.engine.manager
+    R = manager.residency.capture_slots
+    assert R == 2 and manager.capture_table is not None
+    armed_full = []
+    arm = manager.residency.arm_capture
+
+    def arm_capture(mapped):
+        for pos, layer in enumerate(manager.layers):
+            for e, slot in manager.cache.resident(layer).items():
+                assert torch.equal(manager.cache.pool[slot], manager.store.blob(layer, e)), (layer, e, slot)
+            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
+        armed = arm(mapped)
+        if mapped:
+            armed_full.append(all(len(slots) == R for slots in armed.values()))
+        return armed
+
+    manager.residency.arm_capture = arm_capture
+    assert _generate(llm) == full_tokens
+    records = [r for r in manager.stats.records if r.kind == "iteration"]
+    captured = sum(r.experts_captured for r in records)
+    assert captured > 0 and all(r.experts_captured <= min(R, r.experts_mapped) for r in records)
+    copied = sum(r.loads for r in records)
+    assert copied < sum(r.loads for r in plain.engine.manager.stats.records if r.kind == "iteration")
+    assert sum(armed_full) >= len(armed_full) - 1 > 0       # after the prefill's waves, R free slots each time
+    assert manager.stats.summary()["captured_experts_per_iteration"] == captured / len(
+        {r.forward for r in records})
+
+
 def test_a_prefill_keeps_the_host_round_trip_and_reads_cpu_misses_from_host_memory(kernels):
     """A prefill takes the host round trip (it copies most of its misses once); the misses its policy sends to the
     CPU (fiddler: every miss outside the static placement) are read from host memory by the first wave instead, so
@@ -174,15 +213,16 @@ def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
     from oled.runtime.stats import TIMINGS
     from oled.trace import record_trace, replay
 
-    for policy in ("lru", "oled"):
-        llm = _llm(policy, "0.4")
+    for policy, capture in (("lru", 0), ("oled", 0), ("oled", 2)):
+        llm = _llm(policy, "0.4", capture_slots=capture)
         prompt = llm.tokenizer.encode(PROMPT)
         trace, _ = record_trace(llm.engine, [("p", prompt)], DecodeParams(gen_length=32, block_length=16))
-        assert trace.header["live"]["mapped_rows"] == 16
+        assert trace.header["live"]["mapped_rows"] == 16 and trace.header["live"]["capture_slots"] == capture
         live = [{k: v for k, v in r.items() if k not in TIMINGS} for r in llm.engine.manager.stats.to_rows()]
         replayed = replay(trace, policy, trace.header["live"]["expert_budget"])
         rows = [{k: v for k, v in r.items() if k not in TIMINGS} for r in replayed.stats.to_rows()]
         assert rows == live and sum(r["pairs_mapped"] for r in rows) > 0
+        assert (sum(r["experts_captured"] for r in rows) > 0) == bool(capture)
         plain = replay(trace, policy, trace.header["live"]["expert_budget"], mapped_rows=0).stats.to_rows()
         assert sum(r["pairs_mapped"] for r in plain) == 0
 

@@ -328,7 +328,7 @@ def test_oled_is_the_default_policy():
 
 
 # ------------------------------------------------------------------------------- baselines under the new interface
-MAPPED_FIELDS = ("pairs_mapped", "experts_mapped", "bytes_mapped")
+MAPPED_FIELDS = ("pairs_mapped", "experts_mapped", "bytes_mapped", "experts_captured")
 
 
 def test_baselines_replay_exactly_as_before_the_interface_change():

@@ -14,7 +14,7 @@ import torch
 
 from oled.cli import main as cli_main
 from oled.config import EngineConfig
-from oled.decoding.graphs import ForwardGraphs
+from oled.decoding.model_runner import ModelRunner
 from oled.decoding.loop import generate
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
@@ -61,8 +61,9 @@ def lru_trace(recorder, tmp_path_factory):
     return _record(recorder, "lru", "0.25", tmp_path_factory.mktemp("routing") / "lru.trace")
 
 
-def _replay(eng, trace, policy, budget, graphs=None, **options):
-    """Every request of the trace on `eng` with the trace's routing and commits; (results, per-layer rows)."""
+def _replay(eng, trace, policy, budget, runner=None, **options):
+    """Every request of the trace on `eng` with the trace's routing and commits; (results, per-layer rows).
+    runner(eng) -> the model runner to decode on (None: the engine's)."""
     source = TraceSource(trace, eng.config, eng.device)
     eng.set_runtime(policy, budget, **options)
     eng.set_routing_source(source)
@@ -70,8 +71,8 @@ def _replay(eng, trace, policy, budget, graphs=None, **options):
         params, results = source.decode_params(), []
         for r in range(source.num_requests):
             source.begin_request(r)
-            g = graphs(eng) if graphs else None
-            results.append(generate(eng.model, eng.manager, source.prompt_ids(r), params, commits=source, graphs=g))
+            on = runner(eng) if runner else eng.runner
+            results.append(generate(on, source.prompt_ids(r), params, commits=source))
         return results, eng.manager.stats.to_rows()
     finally:
         eng.set_routing_source(None)
@@ -82,7 +83,7 @@ def test_the_other_model_would_route_and_decode_differently(recorder, player, lr
     nothing)."""
     trace, _ = lru_trace
     player.set_runtime("lru", "0.25")
-    own = generate(player.model, player.manager, list(trace.prompt_ids(0)), DecodeParams(**PARAMS))
+    own = generate(player.runner, list(trace.prompt_ids(0)), DecodeParams(**PARAMS))
     assert own.token_ids != trace.output_ids(0).tolist()
     assert player.manager.stats.to_rows() != lru_trace[1][: len(player.manager.stats.to_rows())]
 
@@ -101,7 +102,7 @@ def test_layers_receive_the_recorded_routing_and_the_loop_commits_the_recorded_t
     try:
         for r in range(source.num_requests):
             source.begin_request(r)
-            res = generate(player.model, manager, source.prompt_ids(r), source.decode_params(), commits=source)
+            res = generate(player.runner, source.prompt_ids(r), source.decode_params(), commits=source)
             assert res.token_ids == trace.output_ids(r).tolist()
     finally:
         player.set_routing_source(None)
@@ -135,15 +136,16 @@ def test_captured_graphs_replay_the_current_forwards_routing(player, lru_trace, 
     the same statistics as eager forwards."""
     trace, _ = lru_trace
     eager, eager_rows = _replay(player, trace, policy, budget)
-    graphs = []
+    runners = []
 
     def make(eng):
-        if not graphs:
-            graphs.append(ForwardGraphs(eng.model, eng.manager, backend=EmulatedGraphs(),
-                                        segmented=not eng.policy.static_full))
-        return graphs[0]
-    replayed, rows = _replay(player, trace, policy, budget, graphs=make)
-    assert graphs[0].replays > graphs[0].captures > 0
+        if not runners:
+            runners.append(ModelRunner(eng.model, graph_backend=EmulatedGraphs()))
+            runners[0].attach(eng.manager)
+        return runners[0]
+    replayed, rows = _replay(player, trace, policy, budget, runner=make)
+    graphs = runners[0].graphs
+    assert graphs.replays > graphs.captures > 0
     assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
     assert rows == eager_rows if policy == "full" else \
         [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows] == \
@@ -166,10 +168,10 @@ def test_a_run_that_leaves_the_trace_is_stopped(player, lru_trace):
     player.set_routing_source(source)
     try:
         with pytest.raises(TraceMismatch, match="the trace has a"):
-            generate(player.model, player.manager, source.prompt_ids(0), params, commits=source)
+            generate(player.runner, source.prompt_ids(0), params, commits=source)
         source.begin_request(1)                                     # another request's prompt for request 1
         with pytest.raises(TraceMismatch):
-            generate(player.model, player.manager, source.prompt_ids(0), source.decode_params(), commits=source)
+            generate(player.runner, source.prompt_ids(0), source.decode_params(), commits=source)
     finally:
         player.set_routing_source(None)
 

@@ -208,12 +208,6 @@ def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
 
 
 # ----------------------------------------------------------------------------------------------- logits, exact
-def _install(engine, manager):
-    for block in engine.model.moe_blocks():
-        block.experts = manager
-        manager.predictors[block.layer_idx] = block.route
-
-
 def _forward(engine, manager, tokens):
     kv = KVCache(engine.config, len(tokens), engine.dtype, engine.device)
     manager.begin_forward(ForwardInfo(kind="iteration", start=0, tokens=len(tokens), block_start=0,
@@ -250,7 +244,7 @@ def test_logits_bit_identical_to_full(reference):
         for policy in GPU_POLICIES:
             for budget in (one_slot(preset), "0.25", "0.5"):
                 m = _manager(eng, policy, budget)
-                _install(eng, m)
+                eng.runner.attach(m)
                 for t, w in zip(inputs, want):
                     got = _forward(eng, m, t)
                     assert torch.equal(got, w), (preset, policy, budget, (got - w).abs().max().item())
@@ -260,7 +254,7 @@ def test_logits_bit_identical_to_full(reference):
         for policy in CPU_POLICIES:
             for budget in ("0.25", "0.5"):
                 m = _manager(eng, policy, budget, popularity, kernel)
-                _install(eng, m)
+                eng.runner.attach(m)
                 for t, w in zip(inputs, want):
                     got = _forward(eng, m, t)
                     torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
@@ -269,7 +263,7 @@ def test_logits_bit_identical_to_full(reference):
                 m.close()
         kernel.close()
     finally:
-        _install(eng, full)
+        eng.runner.attach(full)
 
 
 # ------------------------------------------------------------------------------------------- manager contract

@@ -118,7 +118,7 @@ def test_the_alignment_layout(moe, pairs, slots, base, block_m):
     static bound marked -1. 2,500 pairs are three passes of 1,024 and a slot's many blocks."""
     g = torch.Generator().manual_seed(pairs)
     pair_slots = torch.randint(-1, base + slots + 2, (pairs,), generator=g)        # some outside the pool
-    sorted_pairs, block_slots = moe.module.align_pairs(pair_slots, slots, base, block_m)
+    sorted_pairs, block_slots, _ = moe.module.align_pairs(pair_slots, slots, base, block_m)
     assert sorted_pairs.shape == (moe.module.padded_rows(pairs, slots, block_m),)
     assert block_slots.shape == (sorted_pairs.shape[0] // block_m,)
     rel = pair_slots - base
@@ -149,10 +149,22 @@ def test_looking_the_slots_up_in_a_slot_map_equals_passing_them(moe):
     given = fused(moe, x, slot_map.index_select(0, ids), pool, hidden, inter, slot_base=2)
     assert torch.equal(looked_up, given)
     assert (looked_up[slot_map[ids] < 0] == SENTINEL).all() and (looked_up[slot_map[ids] >= 0] != SENTINEL).any()
-    (pairs_a, blocks_a), (pairs_b, blocks_b) = (moe.module.align_pairs(ids, slots, 2, 16, slot_map),
-                                                moe.module.align_pairs(slot_map.index_select(0, ids), slots, 2, 16))
+    (pairs_a, blocks_a, _), (pairs_b, blocks_b, _) = (moe.module.align_pairs(ids, slots, 2, 16, slot_map),
+                                                      moe.module.align_pairs(slot_map.index_select(0, ids), slots, 2, 16))
     used = int((blocks_a >= 0).sum()) * 16               # rows past the used blocks are never written
     assert torch.equal(blocks_a, blocks_b) and torch.equal(pairs_a[:used], pairs_b[:used])
+
+
+def partly_resident(experts, hidden, inter, base, resident, tokens, k, dtype, seed):
+    """A layer's store of `experts` blobs, `tokens` x `k` distinct routed ids, and a slot map holding `resident`
+    random experts in slots base, base + 1, ...: (ids, store, x, held experts, slot_map)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+    store, x = expert_pool(experts, hidden, inter, dtype, seed=seed + 1), inputs(tokens, hidden, dtype)
+    held = torch.randperm(experts, generator=g)[:resident]
+    slot_map = torch.full((experts,), -1, dtype=torch.int64)
+    slot_map[held] = torch.arange(resident) + base
+    return ids, store, x, held, slot_map
 
 
 @pytest.mark.parametrize("resident, tokens, k", [(5, 6, 4), (0, 3, 2), (12, 5, 3), (3, 40, 2)],
@@ -163,12 +175,7 @@ def test_misses_read_from_host_memory_equal_the_same_experts_in_slots(moe, resid
     (the layer's store), so every row is written, and with the bits it gets when the expert sits in a slot: the same
     loads in the same order, whichever memory they read. The layout puts host experts in bins after the pool."""
     experts, hidden, inter, base = 12, 32, 16, 3
-    g = torch.Generator().manual_seed(4)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
-    store, x = expert_pool(experts, hidden, inter, dtype, seed=5), inputs(tokens, hidden, dtype)
-    held = torch.randperm(experts, generator=g)[:resident]
-    slot_map = torch.full((experts,), -1, dtype=torch.int64)
-    slot_map[held] = torch.arange(resident) + base
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k, dtype, seed=4)
     pool = store[held] if resident else store[:0]
     mapped = fused(moe, x, ids, pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store)
     every = torch.arange(experts) + base                     # every expert in a slot: the reference
@@ -176,12 +183,40 @@ def test_misses_read_from_host_memory_equal_the_same_experts_in_slots(moe, resid
     assert torch.equal(mapped, in_slots)
     if dtype == torch.float32:
         assert_fp32_equal(mapped, per_pair(x, ids, store, hidden, inter))
-    sorted_pairs, block_slots = moe.module.align_pairs(ids, resident + experts, base, 16, slot_map,
+    sorted_pairs, block_slots, _ = moe.module.align_pairs(ids, resident + experts, base, 16, slot_map,
                                                       host_bin=resident, mapped=True)
     bins = [b for b in block_slots.tolist() if b >= 0]
     on_host = {b - resident for b in bins if b >= resident}
     assert on_host == set(ids[slot_map[ids] < 0].tolist())
     assert {b for b in bins if b < resident} == set((slot_map[ids][slot_map[ids] >= 0] - base).tolist())
+
+
+@pytest.mark.parametrize("free, tokens, k", [(4, 6, 4), (2, 5, 3), (6, 40, 2), (3, 2, 1)],
+                         ids=["fewer-free-than-misses", "two-free", "many-tokens-an-expert", "more-free-than-misses"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_misses_land_in_the_free_slots_in_expert_order(moe, free, tokens, k, dtype):
+    """capture: the experts read from host memory, in increasing id, are written into the free slots in turn as
+    their tiles are read, so each captured slot holds its expert's blob bit for bit; the outputs are those of the
+    call without capture; every other slot (resident, free and not taken) is left as it was."""
+    experts, hidden, inter, base, resident = 12, 32, 16, 3, 5
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k, dtype, seed=8)
+    pool = torch.cat([store[held], torch.full((free, store.shape[1]), SENTINEL, dtype=dtype)])
+    capture = torch.arange(free, dtype=torch.int64) + base + resident
+    capture = torch.cat([capture, torch.tensor([-1])])          # -1 past the last free slot: never taken
+    plain = fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, host=store)
+    captured_pool = pool.clone()
+    got = fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store,
+                capture=capture)
+    assert torch.equal(got, plain)
+    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    taken = misses[:free]
+    assert taken, "the test needs misses"
+    for i, e in enumerate(taken):
+        assert torch.equal(captured_pool[resident + i], store[e]), (i, e)
+    assert (captured_pool[resident + len(taken):] == SENTINEL).all()          # free slots not taken: untouched
+    assert torch.equal(captured_pool[:resident], pool[:resident])             # resident slots: untouched
+    with pytest.raises(ValueError, match="capture needs slot_map and host"):
+        fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, capture=capture)
 
 
 def test_explicit_host_slots_equal_the_slot_map_lookup(moe):
@@ -379,11 +414,12 @@ def test_bench_case_runs_under_the_interpreter(moe):
 
 def test_mapped_bench_case_runs_under_the_interpreter(moe):
     """kernels_bench.py's mapped case: outputs with misses read from the store equal those with every expert in a
-    slot, and its bandwidth figures come from the timer's numbers."""
+    slot, with or without capturing them into free slots (which then hold their blobs), and its bandwidth figures
+    come from the timer's numbers."""
     from tests.test_kernels_bench import load_bench
 
     bench = load_bench()
-    times = iter([10.0, 14.0, 2.0])        # resident, mapped, copy
+    times = iter([10.0, 14.0, 15.0, 2.0])        # resident, mapped, captured, copy
     timer = lambda fn, inputs: [fn(*a) for a in inputs] and next(times)                 # noqa: E731
     counter = lambda fn, args: bench.per_call(Counter({"kernel": 3}), Counter(), calls=1)   # noqa: E731
     case = bench.mapped_case(2, device="cpu", timer=timer, counter=counter, tokens=4, unique=4, experts=16,
@@ -391,7 +427,8 @@ def test_mapped_bench_case_runs_under_the_interpreter(moe):
     assert case["check"]["ok"] and case["mapped_experts"] == 2
     assert case["mapped_bytes"] == 2 * 3 * 32 * 16 * 2
     assert case["mapped_gbps"] == pytest.approx(case["mapped_bytes"] / 4e-6 / 1e9)
-    assert case["copy_then_resident_us"] == 12.0
+    assert case["copy_then_resident_us"] == 12.0 and case["capture_extra_us"] == 1.0
+    assert case["check"]["captured_equal"] and case["check"]["captured_slots_hold_blobs"]
     json.dumps(case)
 
 

@@ -85,7 +85,7 @@ def environment(device) -> dict:
     env = dict(_static_environment())
     device = torch.device(device)
     env["device"] = str(device)
-    env["oled_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OLED_")}   # kernel/runtime knobs
+    env["oled_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OLED_")}   # cache locations (the knobs are EngineConfig fields)
     env["label"] = device_label(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -30,6 +30,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                            "blob in host memory (mapped misses) per iteration"),
     "mapped_gb_per_iteration": ("mapped GB/iter", "GB", "bytes of experts the GPU read from host memory over PCIe "
                                                        "per denoising iteration (mapped misses)"),
+    "captured_experts_per_iteration": ("captured/iter", "", "mapped misses the kernels wrote into a free slot as "
+                                                            "they read them (resident with no copy) per iteration"),
     "cpu_cost_model_ratio": ("CPU cost model / measured", "", "the CPU jobs' time as the runtime's cost model "
                                                               "predicts it (calibrated at start-up per tokens per "
                                                               "expert, slowed while copies run) / their measured "
@@ -107,6 +109,7 @@ def stats_metrics(summary: dict) -> dict:
         "cpu_ms_per_iteration": summary.get("cpu_ms_per_iteration"),
         "mapped_pairs_per_iteration": summary.get("mapped_pairs_per_iteration"),
         "mapped_gb_per_iteration": summary.get("mapped_gb_per_iteration"),
+        "captured_experts_per_iteration": summary.get("captured_experts_per_iteration"),
         "cpu_cost_model_ratio": summary.get("cpu_cost_model_ratio"),
         "cpu_path_cost_model_ratio": summary.get("cpu_path_cost_model_ratio"),
         "loads_per_iteration": summary.get("loads_per_iteration"),

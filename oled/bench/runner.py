@@ -109,6 +109,7 @@ class BenchConfig:
     cuda_graphs: bool = True
     offload_graphs: bool = True
     mapped_misses: bool | None = None
+    capture_slots: int = 0
     fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
     cpu_kernel: dict = field(default_factory=dict)   # EngineConfig's cpu_* fields (the CPU kernel's knobs)
     # decoding and protocol
@@ -257,7 +258,8 @@ class Bench:
         base = EngineConfig(model=cfg.model, random_weights=cfg.random_weights, layers=cfg.layers, seed=cfg.seed,
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
-                            offload_graphs=cfg.offload_graphs, mapped_misses=cfg.mapped_misses, **cfg.fused,
+                            offload_graphs=cfg.offload_graphs, mapped_misses=cfg.mapped_misses,
+                            capture_slots=cfg.capture_slots, **cfg.fused,
                             **cfg.cpu_kernel,
                             policy="lru",
                             expert_budget=self._smallest_budget_guess())
@@ -389,7 +391,7 @@ class Bench:
                       f"({limit} tokens with --gen-length {params.gen_length}) keep their last {limit} tokens")
         return out, truncated
 
-    def _generate(self, engine, request: int, ids, manager=None, timer=None):
+    def _generate(self, engine, request: int, ids, stand_in=None, timer=None):
         """Prompt number `request` of the workload (its ids); under --routing, the trace's request of that number."""
         torch.manual_seed(self.cfg.seed)
         params = self.cfg.decode
@@ -398,8 +400,10 @@ class Bench:
         if self.cfg.routing:
             commits = self.source
             commits.begin_request(request)
-        return generate(engine.model, manager or engine.manager, ids, params, timer=timer,
-                        graphs=engine.graphs if manager is None else None, commits=commits, predict=engine.predict)
+        if stand_in is None:
+            return generate(engine.runner, ids, params, timer=timer, commits=commits)
+        with engine.runner.borrowed(stand_in):        # e.g. a profiling probe around the manager
+            return generate(engine.runner, ids, params, timer=timer, commits=commits)
 
     def _reference(self, engine, workload, prompts):
         """Reference tokens (full residency) and expert popularity for fiddler, from one untimed pass."""
@@ -565,7 +569,7 @@ class Bench:
         bytes_before = copied()
         try:
             for i, ids in enumerate(prompts):
-                self._generate(engine, i, ids, manager=probe, timer=timer)
+                self._generate(engine, i, ids, stand_in=probe, timer=timer)
                 self._tick(1, f"{desc} profiled")
         finally:
             engine.manager.timer = None

@@ -101,6 +101,10 @@ def add_execution_args(g) -> None:
                         "pinned expert store over PCIe, with no host round trip; the policy's loads fill slots for "
                         "the next iterations, and no miss is computed on the CPU (needs the fused MoE kernels; "
                         "default: on where they run compiled, on CUDA with a pinned store)")
+    g.add_argument("--capture-slots", type=int, default=d.capture_slots, metavar="N",
+                   help="with mapped misses: free slots a layer keeps for the next iteration, whose kernels write the "
+                        "misses they read from host memory into them, so a kept miss crosses PCIe once (at most half "
+                        f"the layer's slots; 0: kept misses are copied after the iteration; default {d.capture_slots})")
 
 
 def add_fused_args(g) -> None:
@@ -138,7 +142,7 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
-                        profile=getattr(args, "profile", False),
+                        capture_slots=args.capture_slots, profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

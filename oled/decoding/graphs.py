@@ -19,8 +19,9 @@ segment (the combine, the next attention, ...), and so on.
 
 Steady-state iterations (logits for every token run) are captured at their first use, any other shape at its
 second (a one-off shape would not repay its capture); captured shapes are replayed from then on. A replay runs the
-very kernels the eager forward runs, on the same shapes, so its tokens are those of the eager path. The KV cache is
-owned here and kept across requests: a graph holds its addresses.
+very kernels the eager forward runs, on the same shapes, so its tokens are those of the eager path. A graph holds the
+KV cache's addresses: the model runner (decoding/model_runner.py) owns the cache and keeps it across requests, and a
+forward on another cache drops every graph.
 """
 from __future__ import annotations
 
@@ -100,14 +101,6 @@ class ForwardGraphs:
         self.warmed = not getattr(self.backend, "needs_eager_first", False)
         self.captures = self.replays = 0
 
-    def kv_cache(self, length: int) -> KVCache:
-        """The persistent KV cache, grown (and every graph dropped) when a request needs more positions."""
-        if self.kv is None or self.kv.max_len < length:
-            self.clear()
-            p = self.model.embed.weight
-            self.kv = KVCache(self.model.config, length, p.dtype, p.device)
-        return self.kv
-
     def clear(self) -> None:
         for fwd in self.graphs.values():
             fwd.release()
@@ -116,8 +109,11 @@ class ForwardGraphs:
 
     def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None,
                  block_length: int | None = None):
-        if not self.enabled or kv is not self.kv or not self.warmed:
-            self.warmed = self.warmed or kv is self.kv
+        if kv is not self.kv:                     # graphs hold the KV cache's addresses: another cache, none fit
+            self.clear()
+            self.kv = kv
+        if not self.enabled or not self.warmed:
+            self.warmed = True
             return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
         # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key; so is
         # the manager's path (a mapped forward is one segment, an offloaded one of the same shape is not)

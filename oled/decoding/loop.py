@@ -12,10 +12,10 @@ import torch
 
 from ..models.config import ModelConfig
 from ..policies.base import ForwardInfo, IterationEvent
-from .kv_cache import CACHE_MODES, KVCache
+from .kv_cache import CACHE_MODES
 from .params import DecodeParams
 from .procedure import procedure_for
-from .rules import make_rule, predict
+from .rules import make_rule
 
 
 @dataclass
@@ -59,15 +59,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None,
-             cancelled=None, graphs=None, commits=None, predict=predict) -> GenerationResult:
-    """Decode one request. on_block(new_token_ids, finished) is called as each block commits (streaming);
-    cancelled() -> True stops at the next iteration (client gone). graphs: a ForwardGraphs that replays forwards
-    whose shapes repeat (on CUDA). commits: a commit source (a TraceSource, its request begun) whose recorded
-    commits, tokens and confidences replace the rule's; the model still runs.
-    predict: logits -> (x0, confidence) on the device (rules.predict, or the Triton kernel's drop-in)."""
-    config: ModelConfig = model.config
-    device = model.embed.weight.device
+def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None, cancelled=None,
+             commits=None) -> GenerationResult:
+    """Decode one request on `runner` (a ModelRunner: the model, its KV cache and graphs, and the expert backend its
+    MoE layers call, which this loop tells what each forward is). on_block(new_token_ids, finished) is called as each
+    block commits (streaming); cancelled() -> True stops at the next iteration (client gone). timer: a SectionTimer
+    the forwards report their sections to (they run eagerly then). commits: a commit source (a TraceSource, its
+    request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs."""
+    config: ModelConfig = runner.config
+    device, manager, predict = runner.device, runner.experts, runner.predict
     B = params.block_length or config.block_length
     procedure = procedure_for(config)
     rule = make_rule(params.rule, params.threshold)
@@ -86,13 +86,9 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
     if params.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else 0)
-    if graphs is not None and timer is None:      # replayed forwards (a profiled run times sections: eager)
-        run, kv = graphs, graphs.kv_cache(total)
-    else:
-        run, kv = model, KVCache(config, total, model.embed.weight.dtype, device)
+    kv = runner.kv_cache(total)
     mode = CACHE_MODES[params.cache](config.block_causal)
     result = GenerationResult(token_ids=[], finish_reason="length")
-    kwargs = {"block_length": B} if timer is None else {"block_length": B, "timer": timer}
 
     block_start = block_len = 0      # the block being decoded: its first canvas position and its length
 
@@ -102,7 +98,7 @@ def generate(model, manager, prompt_ids: list[int], params: DecodeParams, *, on_
         if commits is not None:
             commits.begin_forward(info)
         manager.begin_forward(info)
-        out = run(ids, start, kv, kv_end, rows, **kwargs)
+        out = runner.forward(ids, start, kv, kv_end, rows, block_length=B, timer=timer)
         manager.launched()                        # host work queued behind the forward (all-resident path)
         if kind == "iteration":
             result.nfe += 1

@@ -36,12 +36,12 @@ def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base
     return tl.where(here, rel, -1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "host_bin", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "host_bin", "num_blocks", "num_capture"])
 def align_pairs_kernel(
-    pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr,
-    num_pairs, num_slots, slot_base, host_bin, num_blocks,
+    pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
+    num_pairs, num_slots, slot_base, host_bin, num_blocks, num_capture,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    LOOKUP: tl.constexpr, MAPPED: tl.constexpr,
+    LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
 ):
     """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
     block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
@@ -52,6 +52,11 @@ def align_pairs_kernel(
     which no result depends on: every row is computed on its own. block_slots[b] is the slot of rows
     b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1 for a block past the used rows (the compute kernels' programs
     for it return at once; its rows of sorted_pairs are never written or read).
+
+    CAPTURE (with MAPPED): capture [num_capture] int64 holds free slots of the pool (absolute, as slot_map's; -1
+    past the last). The experts read from host memory, in increasing id, take them in turn: the i-th one's first
+    block gets block_capture = capture[i] - slot_base, every other block -1, and the compute kernels of that block
+    write the tiles they read into that slot, so the expert is resident after the call with no copy.
     """
     lane = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)
@@ -84,7 +89,20 @@ def align_pairs_kernel(
     while first < used_rows:
         tl.store(sorted_pairs_ptr + first + fill, tl.full([BLOCK_FILL], -1, tl.int32), mask=first + fill < used_rows)
         first += BLOCK_FILL
+    if CAPTURE:
+        first = 0
+        while first < num_blocks:
+            tl.store(block_capture_ptr + first + fill, tl.full([BLOCK_FILL], -1, tl.int32),
+                     mask=first + fill < num_blocks)
+            first += BLOCK_FILL
     tl.debug_barrier()          # cursors and padding written before any thread places a pair
+    if CAPTURE:
+        on_host = (slots >= host_bin) & (counts > 0)         # bins host_bin + id: in increasing expert id
+        rank = tl.cumsum(on_host.to(tl.int32), axis=0) - 1
+        take = on_host & (rank < num_capture)
+        cap = tl.load(capture_ptr + tl.where(take, rank, 0), mask=take, other=-1)
+        take = take & (cap >= 0)
+        tl.store(block_capture_ptr + starts // BLOCK_M, (cap - slot_base).to(tl.int32), mask=take)
 
     start = 0
     while start < num_pairs:

@@ -10,6 +10,9 @@ never on the other rows of its block, so it does not depend on which other pairs
 With MAPPED, a block whose bin is host_bin or more is an expert without a slot: its weights are read from its blob
 in (pinned, mapped) host memory, host_ptr's row bin - host_bin, by the same loads in the same order, so a pair
 gives the same bits from host memory as from a slot.
+With CAPTURE, block_capture[block] >= 0 names a free slot of the pool that the block's programs copy the weight
+tiles they read into (the first block of an expert read from host memory: the alignment chose it), so that the
+expert ends up resident, its bytes having crossed PCIe once.
 HIDDEN and INTER are constexprs (one compilation per model shape): the K loops have static trip counts, which
 Triton software-pipelines, and which the interpreter can run (not a runtime-bound `for`, triton-lang/triton#9171).
 """
@@ -40,12 +43,24 @@ def _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bi
 
 
 @triton.jit
+def _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAPTURE: tl.constexpr):
+    """The start of the block's capture slot in the pool and a [BLOCK_K, BLOCK_N] mask, true when the block has one
+    (with CAPTURE; without it, the pool's start and a false mask, neither used)."""
+    cap = -1
+    if CAPTURE:
+        cap = tl.load(block_capture_ptr + block)
+    keep = (tl.zeros([BLOCK_K, BLOCK_N], tl.int32) + cap) >= 0
+    return pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride, keep
+
+
+@triton.jit
 def gate_up_kernel(
-    x_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, act_ptr,
+    x_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, act_ptr,
     x_row_stride, pool_row_stride, host_row_stride, host_bin, top_k,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
 ):
     """act[row, n] = silu(x[token] . gate[n]) * (x[token] . up[n]) for the block's rows and BLOCK_N columns n of
     the intermediate, in one pass over the hidden dimension (gate and up tiles read side by side).
@@ -70,10 +85,17 @@ def gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * x_row_stride + k[None, :]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    cap_blob, keep = _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K, BLOCK_N, CAPTURE)
+    cap_gate_ptrs = cap_blob + n[None, :] * HIDDEN + k[:, None]
     for k0 in range(0, HIDDEN, BLOCK_K):
         xs = tl.load(x_ptrs + k0, mask=has_pair, other=0.0)
-        acc_gate = _dot(xs, tl.load(gate_ptrs + k0), acc_gate, INTERPRETED)
-        acc_up = _dot(xs, tl.load(up_ptrs + k0), acc_up, INTERPRETED)
+        gate_w = tl.load(gate_ptrs + k0)
+        up_w = tl.load(up_ptrs + k0)
+        if CAPTURE:
+            tl.store(cap_gate_ptrs + k0, gate_w, mask=keep)
+            tl.store(cap_gate_ptrs + INTER * HIDDEN + k0, up_w, mask=keep)
+        acc_gate = _dot(xs, gate_w, acc_gate, INTERPRETED)
+        acc_up = _dot(xs, up_w, acc_up, INTERPRETED)
 
     # the torch path's rounding points: h = x @ gate_up^T in x's dtype, silu(h_gate) in x's dtype, then the
     # product rounded once more (no-ops in fp32)
@@ -85,11 +107,11 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, out_ptr,
+    act_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, out_ptr,
     pool_row_stride, host_row_stride, host_bin, out_row_stride,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
 ):
     """out[pair, n] = act[row] . down[n] for the block's rows that hold a pair and BLOCK_N columns n of the
     hidden dimension: written straight to the pair's row of out, every other row of out untouched."""
@@ -107,8 +129,13 @@ def down_kernel(
     down_ptrs = blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     act_ptrs = act_ptr + row[:, None] * INTER + k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    cap_blob, keep = _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K, BLOCK_N, CAPTURE)
+    cap_down_ptrs = cap_blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     for k0 in range(0, INTER, BLOCK_K):
-        acc = _dot(tl.load(act_ptrs + k0), tl.load(down_ptrs + k0), acc, INTERPRETED)
+        down_w = tl.load(down_ptrs + k0)
+        if CAPTURE:
+            tl.store(cap_down_ptrs + k0, down_w, mask=keep)
+        acc = _dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
 
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * out_row_stride + n[None, :]
     dtype = out_ptr.dtype.element_ty

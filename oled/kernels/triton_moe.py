@@ -92,7 +92,7 @@ def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
 def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor, hidden: int,
                        intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
                        tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None,
-                       host: torch.Tensor | None = None) -> None:
+                       host: torch.Tensor | None = None, capture: torch.Tensor | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -105,13 +105,19 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     before the call, one launch fewer). With host as well ([E, 3 * I * H], the layer's expert blobs in host memory:
     pinned, so a CUDA kernel reads it mapped, over PCIe), a pair whose expert has no slot in slot_map is computed
     from its blob there (a miss served without a copy or the host), so every pair is written; without slot_map, a
-    pair slot slot_base + S + e names expert e's blob there.
+    pair slot slot_base + S + e names expert e's blob there. With capture as well ([R] int64: free slots of the pool,
+    absolute as slot_map's, -1 past the last), the experts read from host memory, in increasing id, are written into
+    those slots in turn as their tiles are read (the first R of them), so they are resident after the call without a
+    copy; the caller makes slot_map say so.
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
     x, pair_slots = _check(x, pair_slots, pool, hidden, intermediate, out, slot_base)
     check_device(gate_up_kernel, x, pair_slots, pool, out)
     _check_host(host, slot_map, pool, gate_up_kernel)
+    if capture is not None and (host is None or slot_map is None or capture.dim() != 1
+                                or capture.dtype != torch.int64 or capture.device != pool.device):
+        raise ValueError("capture needs slot_map and host, and is a [R] int64 tensor on the pool's device")
     num_slots = pool.shape[0]
     mapped = host is not None
     if pair_slots.shape[0] == 0 or (num_slots == 0 and not mapped):
@@ -119,21 +125,24 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     top_k = pair_slots.shape[0] // x.shape[0]
     block_m = tiles.block_m
     bins = num_slots + (host.shape[0] if mapped else 0)       # the pool's slots, then one bin an expert on the host
-    sorted_pairs, block_slots = align_pairs(pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots,
-                                            mapped=mapped and slot_map is not None)
+    sorted_pairs, block_slots, block_capture = align_pairs(
+        pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots, mapped=mapped and slot_map is not None,
+        capture=capture)
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
     host = host if mapped else pool                             # not read without MAPPED
     launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                  MAPPED=mapped)
+                  MAPPED=mapped, CAPTURE=capture is not None)
     n_up, k_up = _fit(tiles.gate_up_n, intermediate), _fit(tiles.gate_up_k, hidden)
     gate_up_kernel[(num_blocks, intermediate // n_up)](
-        x, pool, host, sorted_pairs, block_slots, act, x.stride(0), pool.stride(0), host.stride(0), num_slots,
+        x, pool, host, sorted_pairs, block_slots, block_capture, act, x.stride(0), pool.stride(0), host.stride(0),
+        num_slots,
         top_k, HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
     n_down, k_down = _fit(tiles.down_n, hidden), _fit(tiles.down_k, intermediate)
     down_kernel[(num_blocks, hidden // n_down)](
-        act, pool, host, sorted_pairs, block_slots, out, pool.stride(0), host.stride(0), num_slots, out.stride(0),
+        act, pool, host, sorted_pairs, block_slots, block_capture, out, pool.stride(0), host.stride(0), num_slots,
+        out.stride(0),
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
 
 
@@ -169,12 +178,14 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tenso
 
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
-                slot_map: torch.Tensor | None = None, *, host_bin: int | None = None,
-                mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                slot_map: torch.Tensor | None = None, *, host_bin: int | None = None, mapped: bool = False,
+                capture: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
     -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
     oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
-    are the first host_bin of them and a pair whose expert has no slot goes to bin host_bin + its id."""
+    are the first host_bin of them and a pair whose expert has no slot goes to bin host_bin + its id. The third
+    result, block_capture [padded_rows / block_m] int32, is each block's capture slot (relative to slot_base, -1 for
+    none) with capture (the free slots, see fused_swiglu_pairs), else block_slots itself (never read)."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -185,16 +196,19 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     block_slots = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     block_s = triton.next_power_of_2(num_slots)
     cursor = torch.empty(block_s, dtype=torch.int32, device=device)
+    block_capture = block_slots if capture is None else torch.empty_like(block_slots)
     # a decode call's pairs (T * k of a few hundred) in one pass: 1,024 pairs over 4 warps
     if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype != torch.int64 or slot_map.stride(0) != 1):
         raise ValueError(f"slot_map must be a contiguous [E] int64 row, got {tuple(slot_map.shape)} {slot_map.dtype}")
     align_pairs_kernel[(1,)](
-        pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor, num_pairs,
+        pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor,
+        pair_slots if capture is None else capture, block_capture, num_pairs,
         num_slots, slot_base, num_slots if host_bin is None else host_bin, block_slots.shape[0],
+        0 if capture is None else capture.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
-        BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped,
+        BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
         num_warps=4)
-    return sorted_pairs, block_slots
+    return sorted_pairs, block_slots, block_capture
 
 
 def _check_host(host, slot_map, pool, kernel) -> None:

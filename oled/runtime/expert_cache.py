@@ -35,6 +35,12 @@ class ExpertCache:
         assert len(self.slot_of[layer]) <= self.capacity
         return slot
 
+    def insert_at(self, layer: int, expert: int, slot: int) -> None:
+        """Make `expert` resident in free slot `slot` of `layer`, whose weights are there already (a capture)."""
+        assert expert not in self.slot_of[layer], (layer, expert)
+        self.free[layer].remove(slot)
+        self.slot_of[layer][expert] = slot
+
     def evict(self, layer: int, expert: int) -> int:
         slot = self.slot_of[layer].pop(expert)
         self.free[layer].append(slot)

@@ -58,7 +58,8 @@ FORWARD_HOLD_S = 1.0
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
-                 cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False):
+                 cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False,
+                 capture_slots: int = 0):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -94,7 +95,8 @@ class ExpertManager:
         # Host-side decisions (slot tables, policy calls, statistics), shared with the trace replayer.
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
                                    top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs,
-                                   mapped_rows=self.fused_swiglu_rows if mapped_misses else 0)
+                                   mapped_rows=self.fused_swiglu_rows if mapped_misses else 0,
+                                   capture_slots=capture_slots if mapped_misses else 0)
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
@@ -110,6 +112,16 @@ class ExpertManager:
         if self.mapped and self.cuda and not store.pinned:
             raise ValueError("mapped misses read the expert store over PCIe: it must be pinned (drop --no-pin)")
         self._mapped_now = False                  # this forward takes the mapped path (begin_forward)
+        # EngineConfig.capture_slots: on the mapped path the kernels write the misses they read from host memory
+        # into the layer's armed free slots (Residency.arm_capture), so a kept miss crosses PCIe once. The table:
+        # per layer, the free slots a mapped forward captures into (absolute, -1 past the last).
+        self.capture_table = None
+        if self.mapped and self.residency.capture_slots:
+            shape = (len(self.layers), self.residency.capture_slots)
+            self.capture_table = torch.full(shape, -1, dtype=torch.int64, device=self.device)
+            self._capture_host = np.full(shape, -1, dtype=np.int64)
+            self._capture_staging = torch.empty((2, *shape), dtype=torch.int64, pin_memory=self.cuda)
+            self._capture_flip = 0
         self._done_events: dict[int, torch.cuda.Event] = {}     # layer -> the end of its MoE compute (graphs too)
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
@@ -356,7 +368,9 @@ class ExpertManager:
             with self._section("gpu_experts"):
                 base, pool = self._pool(layer)
                 self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row,
-                                  host=self.store.blobs[pos] if mapped else None)
+                                  host=self.store.blobs[pos] if mapped else None,
+                                  capture=self.capture_table[pos] if mapped and self.capture_table is not None
+                                  else None)
             return y_pairs
         self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         return y_pairs
@@ -523,6 +537,8 @@ class ExpertManager:
         if self.mapped:
             self._settle_slots()
             self._mapped_now = self.residency.takes_mapped_path(info)
+            if self.capture_table is not None:
+                self._arm_capture(self.residency.arm_capture(self._mapped_now))
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -584,6 +600,26 @@ class ExpertManager:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
             first = self.residency.decide_mapped(layer, ids_h, weights_h)
             self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
+            if self.capture_table is not None:    # captured experts in, evicted ones out of the slot map
+                self._slots_changed.add(layer)
+
+    def _arm_capture(self, armed: dict[int, list[int]]) -> None:
+        """The capture table for the forward that begins: each layer's armed free slots (Residency.arm_capture),
+        written before the forward on its stream. Not on the mapped path: nothing reads it."""
+        if not armed:
+            return
+        table = np.full_like(self._capture_host, -1)
+        for layer, slots in armed.items():
+            table[self.layer_pos[layer], : len(slots)] = slots
+        if np.array_equal(table, self._capture_host):
+            return
+        self._capture_host = table
+        # two pinned tables used in turn: the one written two forwards ago was copied before the host read that
+        # forward's routing back
+        self._capture_flip ^= 1
+        staging = self._capture_staging[self._capture_flip]
+        staging.copy_(torch.from_numpy(table))
+        self.capture_table.copy_(staging, non_blocking=self.cuda)
 
     def _settle_slots(self) -> None:
         """Before a forward: the compute waits for the copies decided since the last one, then the device slot map

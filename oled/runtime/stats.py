@@ -9,7 +9,8 @@ import numpy as np
 # per-record wall times: differ between runs, absent from a trace replay
 TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
-            "bytes_h2d", "resident", "resident_used", "pairs_mapped", "experts_mapped", "bytes_mapped")
+            "bytes_h2d", "resident", "resident_used", "pairs_mapped", "experts_mapped", "bytes_mapped",
+            "experts_captured")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class LayerRecord:
     pairs_mapped: int = 0     # computed by the GPU from the expert's blob in host memory (mapped misses)
     experts_mapped: int = 0
     bytes_mapped: int = 0     # read over PCIe by those computations (a blob once per block of pairs)
+    experts_captured: int = 0  # of those, written into a free slot as they were read: resident with no copy
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
 
@@ -113,6 +115,7 @@ class Aggregate:
             "cpu_pairs_per_iteration": tot["pairs_cpu"] / forwards,
             "mapped_pairs_per_iteration": tot["pairs_mapped"] / forwards,
             "mapped_gb_per_iteration": tot["bytes_mapped"] / 1e9 / forwards,
+            "captured_experts_per_iteration": tot["experts_captured"] / forwards,
             "loads_per_iteration": tot["loads"] / forwards,
             "unique_experts_per_layer_iteration": tot["experts"] / (forwards * len(self.layers)),
             "cpu_ms_per_iteration": self.cpu_s * 1e3 / forwards,

@@ -52,6 +52,8 @@ def record_trace(engine, prompts, params, *, workload: dict | None = None, predi
                       "budget_fraction": engine.budget.fraction, "slots_per_layer": engine.budget.slots_per_layer,
                       # mapped misses: the kernels' block of pairs (Residency.mapped_rows); 0: off
                       "mapped_rows": engine.manager.residency.mapped_rows if engine.manager.mapped else 0,
+                      # and the free slots a layer keeps for captured misses (Residency.capture_slots)
+                      "capture_slots": engine.manager.residency.capture_slots if engine.manager.mapped else 0,
                       "totals": stats.summary(kinds=KINDS).get("totals", {}),
                       "summary": {k: v for k, v in stats.summary().items() if k != "totals"}}
     return rec.to_trace(header), results

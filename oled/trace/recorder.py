@@ -164,20 +164,14 @@ def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None)
     """Run prompts [(id, token ids)] through the engine with a recorder in place; returns the recorder and the
     GenerationResults. The engine's manager is put back afterwards."""
     rec = TraceRecorder(engine.manager, predictions=predictions)
-    blocks = engine.model.moe_blocks()
     results = []
-    for block in blocks:
-        block.experts = rec
-    try:
+    with engine.runner.borrowed(rec):
         for pid, ids in prompts:
             params.validate()
             rec.begin_request(pid, ids)
-            res = generate(engine.model, rec, ids, params, timer=engine.timer, predict=engine.predict)
+            res = generate(engine.runner, ids, params, timer=engine.timer)
             rec.end_request(res.token_ids)
             results.append(res)
             if on_prompt is not None:
                 on_prompt(pid, res)
-    finally:
-        for block in blocks:
-            block.experts = engine.manager
     return rec, results

@@ -1,0 +1,138 @@
+"""The model runner: the one owner of a forward's machinery.
+
+It holds the model with its kernel choices, the KV cache (one, kept across requests and grown when a request needs
+more positions), the CUDA graphs of the forwards that repeat (decoding/graphs.py), and the expert backend the MoE
+layers call (the ExpertManager, or for one pass a stand-in that wraps it: a trace recorder, a profiling probe). The
+decoding loop asks it for a KV cache and for forwards and never sees which of them are replayed; the engine hands
+it a new manager when the policy or budget changes; nothing else wires the MoE layers.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..models.config import ModelConfig
+from .graphs import ForwardGraphs
+from .kv_cache import KVCache
+from .rules import predict as torch_predict
+
+
+class ModelRunner:
+    def __init__(self, model, *, cuda_graphs: bool = True, offload_graphs: bool = True, graph_backend=None,
+                 max_graphs: int = 8):
+        """cuda_graphs: replay the forwards that repeat (on CUDA; or anywhere with `graph_backend`, e.g. the tests'
+        CPU emulation of graph semantics); offload_graphs: offloaded forwards too, as segments around the manager's
+        host steps (an all-resident forward is one graph either way)."""
+        self.model = model
+        self.config: ModelConfig = model.config
+        param = model.embed.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.graph_backend = graph_backend
+        self.cuda_graphs = cuda_graphs and (graph_backend is not None or self.device.type == "cuda")
+        self.offload_graphs, self.max_graphs = offload_graphs, max_graphs
+        self.predict = torch_predict          # logits -> (x0, confidence) on the device; use_kernels may swap it
+        self.manager = None                   # the attached expert backend
+        self.graphs: ForwardGraphs | None = None
+        self.kv: KVCache | None = None
+        self._stand_in = None                 # the backend of a borrowed() pass, if one is under way
+
+    # --------------------------------------------------------------------------------------------- kernels
+    def use_kernels(self, kernels: dict[str, bool], model_name: str = "the model") -> None:
+        """The model's Triton kernels (EngineConfig.fused_*, resolved): the router, the norms with RoPE and the KV
+        write, the dense MLPs and shared experts, the LM head's confidence. The routed experts' kernels are the
+        manager's. Graphs captured before hold the old kernels: dropped."""
+        if kernels.get("fused_router"):
+            if self.config.router != "sigmoid_group":
+                raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {model_name} routes "
+                                 f"with {self.config.router}")
+            for block in self.model.moe_blocks():
+                block.use_fused_router()
+        self.model.use_fused_norm(bool(kernels.get("fused_norm")))
+        if kernels.get("fused_mlp"):
+            self.model.use_fused_mlp()
+        self.predict = torch_predict
+        if kernels.get("fused_confidence"):
+            from ..kernels.triton_confidence import predict
+            self.predict = predict
+        self._drop_graphs()
+
+    # ------------------------------------------------------------------------------------- expert backend
+    def attach(self, manager) -> None:
+        """Wire `manager` into every MoE layer (and its layers' routing predictors into it) and make the graphs
+        for its path: one graph per forward shape when every expert is resident, segments around the host steps
+        otherwise (with offload_graphs). Graphs hold the slot pool's addresses and a placement, so a new manager
+        starts with none."""
+        self.detach()
+        self.manager = manager
+        for block in self.model.moe_blocks():
+            block.experts = manager
+            manager.predictors[block.layer_idx] = block.predicted_routing
+        static = manager.all_resident
+        if self.cuda_graphs and (static or self.offload_graphs):
+            self.graphs = ForwardGraphs(self.model, manager, backend=self.graph_backend, segmented=not static,
+                                        max_graphs=self.max_graphs)
+
+    def detach(self):
+        """Unwire the attached manager (returned; the caller closes it) and drop its graphs."""
+        old, self.manager = self.manager, None
+        self._drop_graphs()
+        self.graphs = None
+        for block in self.model.moe_blocks():
+            block.experts = None
+        return old
+
+    @property
+    def experts(self):
+        """The backend the MoE layers call now: a borrowed() stand-in, else the attached manager. The decoding loop
+        tells it what each forward is."""
+        return self._stand_in if self._stand_in is not None else self.manager
+
+    @contextlib.contextmanager
+    def borrowed(self, stand_in):
+        """For one pass the MoE layers call `stand_in` (which wraps the attached manager) and forwards run eagerly
+        (a stand-in sees every layer; a replayed graph would skip it)."""
+        if self._stand_in is not None:
+            raise RuntimeError("the model runner is already lent to another stand-in")
+        blocks = self.model.moe_blocks()
+        self._stand_in = stand_in
+        for block in blocks:
+            block.experts = stand_in
+        try:
+            yield stand_in
+        finally:
+            self._stand_in = None
+            for block in blocks:
+                block.experts = self.manager
+
+    def set_routing_source(self, source) -> None:
+        """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router). Captured graphs
+        read the router's outputs: dropped."""
+        for block in self.model.moe_blocks():
+            block.routing_source = source
+        self._drop_graphs()
+
+    # --------------------------------------------------------------------------------------------- forwards
+    def kv_cache(self, length: int) -> KVCache:
+        """The KV cache, with room for `length` positions: kept across requests (a graph holds its addresses) and
+        replaced by a larger one, every graph dropped, when a request needs more."""
+        if self.kv is None or self.kv.max_len < length:
+            self._drop_graphs()
+            self.kv = None                    # the old cache goes before the larger one is allocated
+            self.kv = KVCache(self.config, length, self.dtype, self.device)
+        return self.kv
+
+    def forward(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None, *,
+                block_length: int, timer=None):
+        """Tokens `ids` at positions [start, start + len) against keys [0, kv_end); fp32 logits of `rows` (None:
+        the forward only writes the cache). A shape seen before is replayed from its graph, unless a stand-in is
+        in place or sections are timed (the timer needs the eager forward)."""
+        if timer is not None:
+            return self.model(ids, start, kv, kv_end, rows, block_length=block_length, timer=timer)
+        if self.graphs is None or self._stand_in is not None:
+            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+        return self.graphs(ids, start, kv, kv_end, rows, block_length=block_length)
+
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
