@@ -20,6 +20,8 @@
 #          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's))
 #   ttft   time to first token and prefill per budget for prompts of 32, 512 and 2,048 tokens against the PCIe floor
 #          (benchmarks/ttft.py; the engine's default kernels, TTFT_FLAGS=--no-fused for torch's)
+#   capture  --capture-slots A/B (CAPTURE_SLOTS, default "0 4"): lru, oled and oled-retain at 60 / 40 % on the default
+#          grid's settings, and lru and oled on the routing proxy's trace (CAPTURE_ROUTING=0 skips that part)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -100,6 +102,32 @@ if has routing; then
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/${ROUTING_OUT:-routing-grid}.log
   keep ${ROUTING_OUT:-routing-grid}
 fi
+if has capture; then
+  for slots in ${CAPTURE_SLOTS:-0 4}; do
+    timeout ${CAPTURE_S:-120} python3 -m oled.cli bench $GRID --budgets 0.6,0.4 --policies ${CAPTURE_POLICIES:-lru,oled,oled-retain} \
+      --no-bound --capture-slots $slots --out $R/capture-$slots > $R/capture-$slots.log 2>&1
+    echo "capture $slots rc=$?"; keep capture-$slots
+    if [ "${CAPTURE_ROUTING:-1}" = 1 ]; then
+      timeout ${CAPTURE_S:-120} python3 -m oled.cli bench --routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
+        --random-weights llada2-mini --policies lru,oled --budgets 0.6,0.4 --prompts 1 --repeats 1 --warmup 1 \
+        --no-profile --no-progress --no-bound $GRAPHS --capture-slots $slots --out $R/capture-routing-$slots \
+        > $R/capture-routing-$slots.log 2>&1
+      echo "capture routing $slots rc=$?"; keep capture-routing-$slots
+    fi
+  done
+  python3 - $R/capture-* <<'PY'
+import json, os, sys
+for d in filter(os.path.isdir, sys.argv[1:]):
+    for line in open(f"{d}/results.jsonl"):
+        r = json.loads(line)
+        m = r["metrics"]
+        print(d.rsplit("/", 1)[-1], r["policy_label"], r["budget"], "TPOT ms %.3f" % m["tpot_ms"]["median"],
+              "ms/fwd %.2f" % m["ms_per_forward"]["median"], "H2D GB/iter %.3f" % m["h2d_gb_per_iteration"]["median"],
+              "mapped GB/iter %.3f" % m["mapped_gb_per_iteration"]["median"],
+              "captured/iter %.1f" % (m.get("captured_experts_per_iteration") or {}).get("median", 0),
+              "agreement", m["token_agreement"]["median"])
+PY
+fi
 if has policy-step; then
   for workers in "" --polling-workers; do
     timeout ${STEP_S:-120} python3 benchmarks/policy_step_cost.py ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
@@ -171,7 +199,10 @@ for r in runs:
     print(r["run"], "wall ms/fwd %.2f gpu %.2f launches %.0f floor %.2f (x%.1f)" % (
         r["wall_ms_per_forward"], r["gpu_kernel_ms_per_forward"], r["kernels_per_forward"],
         r["floor_ms_per_forward"], r["wall_over_floor"] or float("nan")))
-    for k in r["top_kernels_us_per_forward"]:
+    print("   memcpy ms/fwd %.2f" % r.get("memcpy_ms_per_forward", float("nan")))
+    for name, ms in sorted(r["host_ms_per_forward"].items(), key=lambda kv: -kv[1])[:8]:
+        print("   host %7.2f ms/fwd  %s" % (ms, name))
+    for k in r["top_kernels_us_per_forward"][:12]:
         print("   %8.1f us %6.1f x  %s" % (k["us"], k["launches"], k["kernel"]))
 PY
   done

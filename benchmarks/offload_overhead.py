@@ -109,6 +109,7 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     computed = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
     gpu_us = sum(e.device_time for e in computed)
+    copies_us = sum(e.device_time for e in kernels if "Memcpy" in e.name)   # read-backs, slot-map rows, loads
     by_name = defaultdict(lambda: [0.0, 0])
     for e in computed:
         by_name[e.name][0] += e.device_time
@@ -119,6 +120,7 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
            "token_ids": res.token_ids,
            "wall_ms_per_forward": wall / nfe * 1e3,
            "gpu_kernel_ms_per_forward": gpu_us / nfe / 1e3, "kernels_per_forward": len(kernels) / nfe,
+           "memcpy_ms_per_forward": copies_us / nfe / 1e3,
            "unique_experts_per_layer_iteration": unique, "floor_ms_per_forward": floor_ms,
            "wall_over_floor": wall / nfe * 1e3 / floor_ms if floor_ms == floor_ms else None,
            # like the two columns before: the profiled generate's kernels (prefill and cache fills too) over its

@@ -43,15 +43,46 @@ def _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bi
 
 
 @triton.jit
-def _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             CAPTURE: tl.constexpr):
-    """The start of the block's capture slot in the pool and a [BLOCK_K, BLOCK_N] mask, true when the block has one
-    (with CAPTURE; without it, the pool's start and a false mask, neither used)."""
+def _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, up_offset,
+                  HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  INTERPRETED: tl.constexpr, STORE: tl.constexpr):
+    """The gate and up accumulators over the whole hidden dimension; with STORE each weight tile read is also
+    written at cap_ptrs (the capture slot's gate rows; up rows up_offset after them)."""
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        xs = tl.load(x_ptrs + k0, mask=has_pair, other=0.0)
+        gate_w = tl.load(gate_ptrs + k0)
+        up_w = tl.load(up_ptrs + k0)
+        if STORE:
+            tl.store(cap_ptrs + k0, gate_w)
+            tl.store(cap_ptrs + up_offset + k0, up_w)
+        acc_gate = _dot(xs, gate_w, acc_gate, INTERPRETED)
+        acc_up = _dot(xs, up_w, acc_up, INTERPRETED)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, STORE: tl.constexpr):
+    """The down accumulator over the whole intermediate; with STORE each weight tile read is also written at
+    cap_ptrs (the capture slot's down rows)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        down_w = tl.load(down_ptrs + k0)
+        if STORE:
+            tl.store(cap_ptrs + k0, down_w)
+        acc = _dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _capture_slot(block_capture_ptr, block, CAPTURE: tl.constexpr):
+    """The block's capture slot (relative to the pool), -1 for none (always without CAPTURE)."""
     cap = -1
     if CAPTURE:
         cap = tl.load(block_capture_ptr + block)
-    keep = (tl.zeros([BLOCK_K, BLOCK_N], tl.int32) + cap) >= 0
-    return pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride, keep
+    return cap
 
 
 @triton.jit
@@ -83,19 +114,15 @@ def gate_up_kernel(
     gate_ptrs = blob + n[None, :] * HIDDEN + k[:, None]
     up_ptrs = gate_ptrs + INTER * HIDDEN
     x_ptrs = x_ptr + token[:, None] * x_row_stride + k[None, :]
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    cap_blob, keep = _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K, BLOCK_N, CAPTURE)
-    cap_gate_ptrs = cap_blob + n[None, :] * HIDDEN + k[:, None]
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        xs = tl.load(x_ptrs + k0, mask=has_pair, other=0.0)
-        gate_w = tl.load(gate_ptrs + k0)
-        up_w = tl.load(up_ptrs + k0)
-        if CAPTURE:
-            tl.store(cap_gate_ptrs + k0, gate_w, mask=keep)
-            tl.store(cap_gate_ptrs + INTER * HIDDEN + k0, up_w, mask=keep)
-        acc_gate = _dot(xs, gate_w, acc_gate, INTERPRETED)
-        acc_up = _dot(xs, up_w, acc_up, INTERPRETED)
+    # a block that captures runs the loop that also stores the tiles; every other block the plain one
+    cap = _capture_slot(block_capture_ptr, block, CAPTURE)
+    cap_ptrs = pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride + n[None, :] * HIDDEN + k[:, None]
+    if cap >= 0:
+        acc_gate, acc_up = _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, INTER * HIDDEN, HIDDEN,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, True)
+    else:
+        acc_gate, acc_up = _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, INTER * HIDDEN, HIDDEN,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, False)
 
     # the torch path's rounding points: h = x @ gate_up^T in x's dtype, silu(h_gate) in x's dtype, then the
     # product rounded once more (no-ops in fp32)
@@ -128,14 +155,13 @@ def down_kernel(
     blob = _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED)
     down_ptrs = blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     act_ptrs = act_ptr + row[:, None] * INTER + k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    cap_blob, keep = _capture(pool_ptr, block_capture_ptr, block, pool_row_stride, BLOCK_K, BLOCK_N, CAPTURE)
-    cap_down_ptrs = cap_blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
-    for k0 in range(0, INTER, BLOCK_K):
-        down_w = tl.load(down_ptrs + k0)
-        if CAPTURE:
-            tl.store(cap_down_ptrs + k0, down_w, mask=keep)
-        acc = _dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
+    cap = _capture_slot(block_capture_ptr, block, CAPTURE)
+    cap_ptrs = (pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride + 2 * INTER * HIDDEN
+                + n[None, :] * INTER + k[:, None])
+    if cap >= 0:
+        acc = _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, True)
+    else:
+        acc = _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, False)
 
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * out_row_stride + n[None, :]
     dtype = out_ptr.dtype.element_ty

@@ -598,10 +598,11 @@ class ExpertManager:
         log, self._routing_log = self._routing_log, []
         for layer, tokens in log:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
+            evictions = self.cache.evictions[layer]
             first = self.residency.decide_mapped(layer, ids_h, weights_h)
             self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
-            if self.capture_table is not None:    # captured experts in, evicted ones out of the slot map
-                self._slots_changed.add(layer)
+            if self.cache.evictions[layer] != evictions or self.stats.records[-1].experts_captured:
+                self._slots_changed.add(layer)    # captured experts in, evicted ones out of the slot map
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
         """The capture table for the forward that begins: each layer's armed free slots (Residency.arm_capture),

@@ -174,7 +174,8 @@ class Residency:
         experts resident."""
         self.armed = {}
         if mapped and self.capture_slots:
-            self.armed = {layer: self.cache.free[layer][::-1][: self.capture_slots] for layer in self.layers}
+            R = self.capture_slots
+            self.armed = {layer: self.cache.free[layer][-R:][::-1] for layer in self.layers}
         return self.armed
 
     def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> Wave:
@@ -202,8 +203,10 @@ class Residency:
         slots = self._insert(layer, loads, held | set(loads), step.decision.evict)
         step.rec.bytes_h2d += len(loads) * self.expert_bytes
         step.rec.loads += len(loads)
-        unasked = [e for e in captured if e not in set(step.decision.load)]
-        self._free_slots(layer, unasked + list(step.decision.evict) + captured, protected=set(loads))
+        if len(self.cache.free[layer]) < self.capture_slots:
+            asked = set(step.decision.load)
+            unasked = [e for e in captured if e not in asked]
+            self._free_slots(layer, unasked + list(step.decision.evict) + captured, protected=set(loads))
         self.end_layer(step)
         return Wave(loads, slots, held | set(loads))
 
