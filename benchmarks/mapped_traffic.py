@@ -1,13 +1,15 @@
 """PCIe traffic of the miss paths, replayed from a trace on the CPU: the host round trip (each miss copied once, or
-computed on the CPU), mapped misses (read by the kernels, then copied if the policy keeps it), and a hybrid that
+computed on the CPU), mapped misses (read by the kernels, then copied if the policy keeps it), a hybrid that
 replays each block's first forward on the host round trip (a block's first iterations miss the most; not built in
-the engine). Bytes only, no timing: the PCIe time is bytes / --gbps.
+the engine), and mapped misses with capture at each of --capture-slots (a kept miss written into a free slot as it
+is read: crosses once, but that many slots a layer stay empty). Bytes only, no timing: the PCIe time is bytes /
+--gbps.
 
     python benchmarks/mapped_traffic.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 --policies lru,oled \
         --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl
 
 One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per
-denoising iteration; and CPU pairs per iteration (host round trip only). Bytes count the trace's experts (a routing
+denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count the trace's experts (a routing
 proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB): compare the paths' ratios. A policy that plans on costs (oled,
 oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or an `oled bench` results.jsonl whose first line
 with a cost model gives it (the trace's own is used otherwise).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from oled.kernels.triton_moe import DEFAULT_TILES
+from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.cost_model import CostModel
 from oled.runtime.residency import Residency
 from oled.trace import Trace
@@ -52,16 +54,20 @@ def load_costs(path: str | None) -> CostModel | None:
     return CostModel.from_json(text)
 
 
-def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None) -> dict:
-    mgr = replay_manager(trace, policy, budget, costs, mapped_rows=0 if path == "host" else DEFAULT_TILES.block_m)
+def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None,
+        capture_slots: int = 0) -> dict:
+    """One replay; path "capture" is the mapped path with capture_slots."""
+    mgr = replay_manager(trace, policy, budget, costs, mapped_rows=mapped_rows(path != "host"),
+                         capture_slots=capture_slots if path == "capture" else 0)
     if path == "hybrid":
         mgr.residency.takes_mapped_path = BlockStartOnHost(mgr.residency)
     mgr.replay()
     s = mgr.stats.summary()
     copied, mapped = s["h2d_gb_per_iteration"], s["mapped_gb_per_iteration"]
-    return {"policy": policy, "budget": budget, "path": path, "hit_rate_tokens": s["hit_rate_tokens"],
-            "copied_gb": copied, "mapped_gb": mapped, "pcie_gb": copied + mapped,
-            "pcie_ms": (copied + mapped) / gbps * 1e3, "cpu_pairs": s["cpu_pairs_per_iteration"]}
+    return {"policy": policy, "budget": budget, "path": path, "capture_slots": mgr.residency.capture_slots,
+            "hit_rate_tokens": s["hit_rate_tokens"], "copied_gb": copied, "mapped_gb": mapped,
+            "pcie_gb": copied + mapped, "pcie_ms": (copied + mapped) / gbps * 1e3,
+            "cpu_pairs": s["cpu_pairs_per_iteration"], "captured": s["captured_experts_per_iteration"]}
 
 
 def main(argv=None) -> int:
@@ -71,12 +77,15 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="lru,oled")
     ap.add_argument("--gbps", type=float, default=55.0, help="pinned H2D bandwidth for the time column (GB/s)")
     ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one")
+    ap.add_argument("--capture-slots", default="4", help="comma list: a capture path per value ('' for none)")
     args = ap.parse_args(argv)
     trace, costs = Trace.load(args.trace), load_costs(args.costs)
     for policy in args.policies.split(","):
         for budget in args.budgets.split(","):
             for path in PATHS:
                 print(json.dumps(run(trace, policy, budget, path, args.gbps, costs)), flush=True)
+            for slots in filter(None, args.capture_slots.split(",")):
+                print(json.dumps(run(trace, policy, budget, "capture", args.gbps, costs, int(slots))), flush=True)
     return 0
 
 

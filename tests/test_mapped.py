@@ -229,8 +229,8 @@ def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
 
 def test_the_traffic_replay_of_the_three_miss_paths():
     """benchmarks/mapped_traffic.py on the bundled model's trace: the host round trip reads nothing mapped, the mapped
-    path computes nothing on the CPU and adds the mapped reads to its copies, and the hybrid replays each block's
-    first forward on the host round trip (fewer mapped bytes than the mapped path)."""
+    path computes nothing on the CPU and adds the mapped reads to its copies, the hybrid replays each block's
+    first forward on the host round trip (fewer mapped bytes than the mapped path), and capture copies less."""
     import importlib.util
     from pathlib import Path
 
@@ -245,6 +245,9 @@ def test_the_traffic_replay_of_the_three_miss_paths():
     assert rows["host"]["mapped_gb"] == 0 and rows["host"]["copied_gb"] > 0
     assert rows["mapped"]["mapped_gb"] > 0 and rows["mapped"]["cpu_pairs"] == 0
     assert 0 < rows["hybrid"]["mapped_gb"] < rows["mapped"]["mapped_gb"]
+    rows["capture"] = traffic.run(trace, "lru", "0.5", "capture", gbps=50.0, capture_slots=2)
+    assert rows["capture"]["captured"] > 0 and rows["capture"]["capture_slots"] == 2
+    assert rows["capture"]["copied_gb"] < rows["mapped"]["copied_gb"]     # captured misses are not copied
     for r in rows.values():
         assert r["pcie_gb"] == pytest.approx(r["copied_gb"] + r["mapped_gb"])
         assert r["pcie_ms"] == pytest.approx(r["pcie_gb"] / 50.0 * 1e3)

@@ -601,9 +601,9 @@ class Bench:
         of pairs) or off."""
         if self.cfg.mapped_misses is None:
             return None
-        from ..kernels.triton_moe import DEFAULT_TILES
+        from ..kernels.triton_moe import mapped_rows
 
-        return DEFAULT_TILES.block_m if self.cfg.mapped_misses else 0
+        return mapped_rows(self.cfg.mapped_misses)
 
     def _run_replay(self) -> None:
         from ..trace import Trace, replay

@@ -82,6 +82,12 @@ class MoeTiles:
 DEFAULT_TILES = MoeTiles()
 
 
+def mapped_rows(mapped: bool) -> int:
+    """Residency.mapped_rows of an engine with the default tiles: the pairs a block holds (a mapped blob is read
+    once per block of its pairs) with mapped misses, 0 without."""
+    return DEFAULT_TILES.block_m if mapped else 0
+
+
 def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
     """Rows of the aligned pair list: every slot with pairs pads at most block_m - 1 rows, and at most
     min(P, S) slots have pairs."""

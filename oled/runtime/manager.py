@@ -74,9 +74,9 @@ class ExpertManager:
         self.fused_swiglu = self.fused_combine = None
         self.fused_swiglu_rows = 0
         if fused_moe:
-            from ..kernels.triton_moe import DEFAULT_TILES, combine_pairs, fused_swiglu_pairs
+            from ..kernels.triton_moe import combine_pairs, fused_swiglu_pairs, mapped_rows
             self.fused_swiglu, self.fused_combine = fused_swiglu_pairs, combine_pairs
-            self.fused_swiglu_rows = DEFAULT_TILES.block_m
+            self.fused_swiglu_rows = mapped_rows(True)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
