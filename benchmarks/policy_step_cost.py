@@ -2,12 +2,15 @@
 checks), replayed from a trace on the CPU: the decisions the engine makes, without the engine.
 
     python benchmarks/policy_step_cost.py TRACE COST_MODEL_RESULTS.jsonl [--budget 0.4] [--requests 1]
-        [--policies lru,oled-retain,oled] [--polling-workers]
+        [--policies lru,oled-retain,oled] [--polling-workers] [--mapped [--capture-slots N]]
 
 The cost model is the first one found in the results file (a bench run's result lines). Each policy's decisions are
 printed too (per denoising iteration: layers with CPU work, CPU experts and pairs, loads). --polling-workers keeps the
 CPU expert kernel's workers (the engine's default number, pinned as the engine pins them) polling through the
 replays, as `--cpu-wake layer` does around a layer's host step: whether they slow the main thread's Python.
+--mapped replays the mapped path (mapped misses with the default tiles, as the engine on CUDA) and times its whole
+host step per layer behind the GPU (`Residency.decide_mapped`: the event, the decision, the loads' slots, with
+--capture-slots the captured experts and the freed slots).
 """
 import argparse
 import json
@@ -15,6 +18,7 @@ import time
 
 from oled.runtime import planner
 from oled.runtime.cost_model import CostModel
+from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.residency import Residency
 from oled.trace import Trace, replay
 
@@ -27,6 +31,8 @@ def main():
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--policies", default="lru,oled-retain,oled")
     ap.add_argument("--polling-workers", action="store_true")
+    ap.add_argument("--mapped", action="store_true", help="the mapped path's host step (decide_mapped)")
+    ap.add_argument("--capture-slots", type=int, default=0)
     args = ap.parse_args()
     kernel = None
     if args.polling_workers:
@@ -40,7 +46,8 @@ def main():
         model = next(r["cost_model"] for r in map(json.loads, f) if r.get("cost_model"))
     costs = CostModel.from_dict(model)
     trace = Trace.load(args.trace).first_requests(args.requests)
-    inner = Residency.begin_layer
+    step = "decide_mapped" if args.mapped else "begin_layer"
+    inner = getattr(Residency, step)
     spent = [0.0, 0]
 
     def timed(self, *a, **k):
@@ -50,7 +57,7 @@ def main():
         finally:
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
-    Residency.begin_layer = timed
+    setattr(Residency, step, timed)
     plans = [0, 0]                         # layers the planner was asked about, and those it searched
     split, candidates = planner.split_misses, planner._candidates
 
@@ -69,13 +76,16 @@ def main():
         for _ in range(3):                 # the least of 3 replays: other work only adds time
             spent[:] = [0.0, 0]
             plans[:] = [0, 0]
-            rows = [r for r in replay(trace, policy, args.budget, costs).stats.records if r.kind == "iteration"]
+            mgr = replay(trace, policy, args.budget, costs, mapped_rows=mapped_rows(args.mapped),
+                         capture_slots=args.capture_slots)
+            rows = [r for r in mgr.stats.records if r.kind == "iteration"]
             best = min(best, spent[0] / max(spent[1], 1))
         its = max(len({r.forward for r in rows}), 1)
         per_it = {what: sum(map(count, rows)) / its for what, count in (
             ("CPU layers", lambda r: r.pairs_cpu > 0), ("CPU experts", lambda r: r.experts_cpu),
             ("CPU pairs", lambda r: r.pairs_cpu), ("loads", lambda r: r.loads))}
-        print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer ({spent[1]} layers); per iteration: "
+        print(f"{policy:12s} at {args.budget}: {best * 1e6:6.1f} µs per MoE layer's {step} ({spent[1]} layers); "
+              "per iteration: "
               + ", ".join(f"{v:.2f} {what}" for what, v in per_it.items())
               + (f"; planner: {plans[0]} layers with misses, {plans[1]} searched" if plans[0] else ""))
     if kernel is not None:
