@@ -47,9 +47,10 @@ class EngineConfig:
     # CPU are read from host memory (runtime/manager.py). None: on where the fused MoE kernels run and the store is
     # pinned.
     mapped_misses: bool | None = None
-    # With mapped misses: free slots a layer keeps for the next mapped forward, which writes the misses it reads
-    # from host memory into them (the first, by expert id), so a kept miss crosses PCIe once, not read and then
-    # copied (runtime/residency.py; at most half the layer's slots). 0: every kept miss is copied after the forward.
+    # With mapped misses: slots of a layer (its free ones, then those of the experts it would evict next) that a
+    # mapped forward writes the misses it reads from host memory into, skipping any slot the forward reads, so a
+    # kept miss crosses PCIe once, not read and then copied (runtime/residency.py; at most half the layer's slots).
+    # 0: every kept miss is copied after the forward. Off by default: not yet measured faster on the H200.
     capture_slots: int = 0
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device

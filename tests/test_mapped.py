@@ -92,10 +92,10 @@ def test_each_pair_is_a_hit_or_a_mapped_miss_and_loads_fit_beside_the_hits(kerne
 
 @pytest.mark.parametrize("policy,budget", [("lru", "0.5")])
 def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(kernels, full_tokens, policy, budget):
-    """capture_slots: the kernels write the misses they read from host memory into the armed free slots, and the
+    """capture_slots: the kernels write the misses they read from host memory into the armed slots, and the
     host makes them resident without a copy. Before every forward each resident expert's slot holds its blob and the
     device slot map equals the tables; the tokens are full's; the same routing copies fewer experts than without
-    capture; and the layers keep their free slots for the next capture."""
+    capture; and every forward after the first arms R slots a layer (free ones, then its next victims')."""
     import torch
 
     plain = _llm(policy, budget)
@@ -124,7 +124,7 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     assert captured > 0 and all(r.experts_captured <= min(R, r.experts_mapped) for r in records)
     copied = sum(r.loads for r in records)
     assert copied < sum(r.loads for r in plain.engine.manager.stats.records if r.kind == "iteration")
-    assert sum(armed_full) >= len(armed_full) - 1 > 0       # after the prefill's waves, R free slots each time
+    assert sum(armed_full) >= len(armed_full) - 1 > 0       # the first after the prefill has no victims yet
     assert manager.stats.summary()["captured_experts_per_iteration"] == captured / len(
         {r.forward for r in records})
 

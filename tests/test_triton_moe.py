@@ -219,6 +219,32 @@ def test_captured_misses_land_in_the_free_slots_in_expert_order(moe, free, token
         fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, capture=capture)
 
 
+def test_a_slot_the_call_reads_is_never_captured_into(moe):
+    """capture may name slots that hold an expert (the host's next victims): one that a pair of the call is computed
+    from is skipped, so its expert stays intact and its pairs are right; the misses take the other named slots in
+    order (free or holding an unread expert, which is overwritten)."""
+    experts, hidden, inter, base, resident, tokens, k = 12, 32, 16, 3, 5, 6, 3
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k, torch.float32,
+                                                    seed=12)
+    read = [i for i in range(resident) if int(held[i]) in set(ids.tolist())]
+    unread = [i for i in range(resident) if i not in read]
+    assert read and unread, "the test needs a resident expert the call reads and one it does not"
+    pool = torch.cat([store[held], torch.full((1, store.shape[1]), SENTINEL)])   # slot base + resident: free
+    capture = torch.tensor([base + read[0], base + resident, base + unread[0]], dtype=torch.int64)
+    plain = fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, host=store)
+    captured_pool = pool.clone()
+    got = fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store,
+                capture=capture)
+    assert torch.equal(got, plain)
+    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    assert len(misses) >= 2
+    assert torch.equal(captured_pool[read[0]], pool[read[0]])                # read this call: skipped
+    assert torch.equal(captured_pool[resident], store[misses[0]])            # the free slot: the first miss
+    assert torch.equal(captured_pool[unread[0]], store[misses[1]])           # the unread victim: the second
+    others = [i for i in range(resident) if i not in (read[0], unread[0])]
+    assert torch.equal(captured_pool[others], pool[others])
+
+
 def test_explicit_host_slots_equal_the_slot_map_lookup(moe):
     """Without slot_map, a pair slot slot_base + S + e names expert e's blob in host memory (the offloaded path's
     first wave, serving misses from host memory beside its loads); -1 and other slots as before."""

@@ -102,9 +102,10 @@ def add_execution_args(g) -> None:
                         "the next iterations, and no miss is computed on the CPU (needs the fused MoE kernels; "
                         "default: on where they run compiled, on CUDA with a pinned store)")
     g.add_argument("--capture-slots", type=int, default=d.capture_slots, metavar="N",
-                   help="with mapped misses: free slots a layer keeps for the next iteration, whose kernels write the "
-                        "misses they read from host memory into them, so a kept miss crosses PCIe once (at most half "
-                        f"the layer's slots; 0: kept misses are copied after the iteration; default {d.capture_slots})")
+                   help="with mapped misses: slots a layer offers each iteration (free ones, then its next victims') "
+                        "into which the kernels write the misses they read from host memory, so a kept miss crosses "
+                        "PCIe once (at most half the layer's slots; 0: kept misses are copied after the iteration; "
+                        f"default {d.capture_slots})")
 
 
 def add_fused_args(g) -> None:

@@ -41,7 +41,7 @@ def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
     num_pairs, num_slots, slot_base, host_bin, num_blocks, num_capture,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
+    LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
     block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
@@ -53,10 +53,12 @@ def align_pairs_kernel(
     b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1 for a block past the used rows (the compute kernels' programs
     for it return at once; its rows of sorted_pairs are never written or read).
 
-    CAPTURE (with MAPPED): capture [num_capture] int64 holds free slots of the pool (absolute, as slot_map's; -1
-    past the last). The experts read from host memory, in increasing id, take them in turn: the i-th one's first
-    block gets block_capture = capture[i] - slot_base, every other block -1, and the compute kernels of that block
-    write the tiles they read into that slot, so the expert is resident after the call with no copy.
+    CAPTURE (with MAPPED): capture [num_capture <= BLOCK_R] int64 holds slots of the pool (absolute, as
+    slot_map's; -1 for none): free ones, or ones whose expert the host would evict next. A slot is usable if no pair
+    of this call is computed from it. The experts read from host memory, in increasing id, take the usable slots in
+    their order: the i-th one's first block gets block_capture = (i-th usable slot) - slot_base, every other block
+    -1, and the compute kernels of that block write the tiles they read into that slot, so the expert is resident
+    after the call with no copy (and the slot's old expert, which this call did not read, is gone).
     """
     lane = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)
@@ -97,12 +99,17 @@ def align_pairs_kernel(
             first += BLOCK_FILL
     tl.debug_barrier()          # cursors and padding written before any thread places a pair
     if CAPTURE:
+        armed = tl.arange(0, BLOCK_R)
+        cap = tl.load(capture_ptr + armed, mask=armed < num_capture, other=-1)
+        cap_bin = (cap - slot_base).to(tl.int32)                                  # a pool slot is its own bin
+        readers = tl.sum(tl.where(slots[None, :] == cap_bin[:, None], counts[None, :], 0), axis=1)
+        usable = (cap >= 0) & (readers == 0)
+        usable_rank = tl.cumsum(usable.to(tl.int32), axis=0) - 1
         on_host = (slots >= host_bin) & (counts > 0)         # bins host_bin + id: in increasing expert id
         rank = tl.cumsum(on_host.to(tl.int32), axis=0) - 1
-        take = on_host & (rank < num_capture)
-        cap = tl.load(capture_ptr + tl.where(take, rank, 0), mask=take, other=-1)
-        take = take & (cap >= 0)
-        tl.store(block_capture_ptr + starts // BLOCK_M, (cap - slot_base).to(tl.int32), mask=take)
+        match = on_host[:, None] & usable[None, :] & (usable_rank[None, :] == rank[:, None])
+        slot_of_bin = tl.sum(tl.where(match, cap_bin[None, :] + 1, 0), axis=1) - 1   # -1: no usable slot left
+        tl.store(block_capture_ptr + starts // BLOCK_M, slot_of_bin, mask=slot_of_bin >= 0)
 
     start = 0
     while start < num_pairs:

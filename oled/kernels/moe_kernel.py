@@ -10,9 +10,9 @@ never on the other rows of its block, so it does not depend on which other pairs
 With MAPPED, a block whose bin is host_bin or more is an expert without a slot: its weights are read from its blob
 in (pinned, mapped) host memory, host_ptr's row bin - host_bin, by the same loads in the same order, so a pair
 gives the same bits from host memory as from a slot.
-With CAPTURE, block_capture[block] >= 0 names a free slot of the pool that the block's programs copy the weight
-tiles they read into (the first block of an expert read from host memory: the alignment chose it), so that the
-expert ends up resident, its bytes having crossed PCIe once.
+With CAPTURE, block_capture[block] >= 0 names a slot of the pool (one no pair of the call reads) that the block's
+programs copy the weight tiles they read into (the first block of an expert read from host memory: the alignment
+chose it), so that the expert ends up resident, its bytes having crossed PCIe once.
 HIDDEN and INTER are constexprs (one compilation per model shape): the K loops have static trip counts, which
 Triton software-pipelines, and which the interpreter can run (not a runtime-bound `for`, triton-lang/triton#9171).
 """

@@ -111,10 +111,11 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     before the call, one launch fewer). With host as well ([E, 3 * I * H], the layer's expert blobs in host memory:
     pinned, so a CUDA kernel reads it mapped, over PCIe), a pair whose expert has no slot in slot_map is computed
     from its blob there (a miss served without a copy or the host), so every pair is written; without slot_map, a
-    pair slot slot_base + S + e names expert e's blob there. With capture as well ([R] int64: free slots of the pool,
-    absolute as slot_map's, -1 past the last), the experts read from host memory, in increasing id, are written into
-    those slots in turn as their tiles are read (the first R of them), so they are resident after the call without a
-    copy; the caller makes slot_map say so.
+    pair slot slot_base + S + e names expert e's blob there. With capture as well ([R] int64: slots of the pool,
+    absolute as slot_map's, -1 for none; free, or holding an expert the caller would evict next), the experts read
+    from host memory, in increasing id, are written as their tiles are read into those of the slots that no pair of
+    the call reads, in their order, so they are resident after the call without a copy; the caller makes slot_map
+    say so (and drops the slots' old experts).
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
@@ -191,7 +192,7 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
     are the first host_bin of them and a pair whose expert has no slot goes to bin host_bin + its id. The third
     result, block_capture [padded_rows / block_m] int32, is each block's capture slot (relative to slot_base, -1 for
-    none) with capture (the free slots, see fused_swiglu_pairs), else block_slots itself (never read)."""
+    none) with capture (the armed slots, see fused_swiglu_pairs), else block_slots itself (never read)."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -213,6 +214,7 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
         0 if capture is None else capture.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
         BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
+        BLOCK_R=max(2, triton.next_power_of_2(0 if capture is None else capture.shape[0])),
         num_warps=4)
     return sorted_pairs, block_slots, block_capture
 

@@ -113,8 +113,8 @@ class ExpertManager:
             raise ValueError("mapped misses read the expert store over PCIe: it must be pinned (drop --no-pin)")
         self._mapped_now = False                  # this forward takes the mapped path (begin_forward)
         # EngineConfig.capture_slots: on the mapped path the kernels write the misses they read from host memory
-        # into the layer's armed free slots (Residency.arm_capture), so a kept miss crosses PCIe once. The table:
-        # per layer, the free slots a mapped forward captures into (absolute, -1 past the last).
+        # into the layer's armed slots (Residency.arm_capture: free ones, then its next victims'), so a kept miss
+        # crosses PCIe once. The table: per layer, the slots a mapped forward may capture into (absolute, -1: none).
         self.capture_table = None
         if self.mapped and self.residency.capture_slots:
             shape = (len(self.layers), self.residency.capture_slots)
@@ -605,7 +605,7 @@ class ExpertManager:
                 self._slots_changed.add(layer)    # captured experts in, evicted ones out of the slot map
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
-        """The capture table for the forward that begins: each layer's armed free slots (Residency.arm_capture),
+        """The capture table for the forward that begins: each layer's armed slots (Residency.arm_capture),
         written before the forward on its stream. Not on the mapped path: nothing reads it."""
         if not armed:
             return

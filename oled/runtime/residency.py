@@ -41,12 +41,14 @@ class Residency:
                  expert_bytes: int, costs=None, mapped_rows: int = 0, capture_slots: int = 0):
         """mapped_rows: with mapped misses, the pairs a block of the fused kernels holds (their BLOCK_M), a mapped
         blob being read once per such block of its pairs; 0: mapped misses off. capture_slots: with mapped misses,
-        the free slots a layer keeps for the next mapped forward to capture its misses into (at most half the
-        layer's slots; 0: none, every miss a mapped forward keeps is copied after it)."""
+        the slots of a layer (free ones, then its next victims) a mapped forward may capture its misses into (at most
+        half the layer's slots; 0: none, every miss a mapped forward keeps is copied after it)."""
         self.cache, self.policy, self.stats = cache, policy, stats
         self.top_k, self.mapped_rows = top_k, mapped_rows
         self.capture_slots = min(capture_slots, cache.capacity // 2) if mapped_rows else 0
-        self.armed: dict[int, list[int]] = {}     # layer -> the free slots the mapped forward under way captures into
+        # layer -> the slots the mapped forward under way may capture into, each with the expert it holds (None: free)
+        self.armed: dict[int, list[tuple[int, int | None]]] = {}
+        self._victims: dict[int, list[int]] = {}  # layer -> its last decision's eviction order
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
@@ -168,57 +170,53 @@ class Residency:
                 and info.tokens * self.top_k <= self.num_experts * self.mapped_rows)
 
     def arm_capture(self, mapped: bool) -> dict[int, list[int]]:
-        """As a forward begins: on the mapped path with capture_slots, each layer's free slots (up to
-        capture_slots, in the order the cache hands them out) that the kernels write its misses into, the i-th miss
-        by expert id into the i-th slot (oled/kernels/moe_align_kernel.py); {} otherwise. decide_mapped makes those
-        experts resident."""
+        """As a forward begins: on the mapped path with capture_slots, each layer's slots the kernels may write its
+        misses into: its free slots (in the order the cache hands them out), then the slots of the experts its last
+        decision would evict first, up to capture_slots. The kernels skip a slot that a pair of the forward reads
+        and give the i-th miss by expert id the i-th slot left (oled/kernels/moe_align_kernel.py); decide_mapped
+        applies the same rule. {} otherwise. Returns layer -> slots."""
         self.armed = {}
-        if mapped and self.capture_slots:
-            R = self.capture_slots
-            self.armed = {layer: self.cache.free[layer][-R:][::-1] for layer in self.layers}
-        return self.armed
+        if not (mapped and self.capture_slots):
+            return {}
+        R = self.capture_slots
+        for layer in self.layers:
+            armed: list[tuple[int, int | None]] = [(slot, None) for slot in self.cache.free[layer][-R:][::-1]]
+            resident = self.cache.resident(layer)
+            for e in self._victims.get(layer, ()):
+                if len(armed) >= R:
+                    break
+                if e in resident:
+                    armed.append((resident[e], e))
+            self.armed[layer] = armed
+        return {layer: [slot for slot, _ in armed] for layer, armed in self.armed.items()}
 
     def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> Wave:
         """A layer that ran on the mapped path: every miss was computed from host memory already, so the policy's
         decision (LayerEvent.mapped) says what to load for later forwards. Returns the loads that fit beside the
         layer's hits (one wave), their slots taken; the caller copies them. With capture, the misses the kernels
-        wrote into the armed slots are resident already (no copy), the loads leave capture_slots free, and the
-        layer's free slots are brought back to capture_slots for the next mapped forward (evicting in the policy's
-        order, the captured experts the policy did not ask to load first)."""
+        wrote into armed slots are resident already, in place of the victims those slots held (no copy): they are
+        not loaded again."""
         step = self.begin_layer(layer, ids, weights, mapped=True)
         self._record_mapped(step, step.decision.load + step.decision.cpu)
         if not self.capture_slots:
             first = next(self.waves(step))
             self.end_layer(step)
             return first
-        armed = self.armed.get(layer, [])
-        misses = sorted(step.decision.load + step.decision.cpu)
-        captured = misses[: len(armed)]
-        for e, slot in zip(captured, armed):
+        usable = [(slot, owner) for slot, owner in self.armed.get(layer, []) if step.demand.get(owner, 0) == 0]
+        captured = sorted(step.decision.load + step.decision.cpu)[: len(usable)]
+        for e, (slot, owner) in zip(captured, usable):
+            if owner is not None:
+                self.cache.evict(layer, owner)
             self.cache.insert_at(layer, e, slot)
         step.rec.experts_captured = len(captured)
         held = set(step.hits) | set(captured)
-        room = max(self.cache.capacity - self.capture_slots - len(held), 0)
-        loads = [e for e in step.decision.load if e not in held][:room]
+        loads = [e for e in step.decision.load if e not in held][: max(self.cache.capacity - len(held), 0)]
         slots = self._insert(layer, loads, held | set(loads), step.decision.evict)
         step.rec.bytes_h2d += len(loads) * self.expert_bytes
         step.rec.loads += len(loads)
-        if len(self.cache.free[layer]) < self.capture_slots:
-            asked = set(step.decision.load)
-            unasked = [e for e in captured if e not in asked]
-            self._free_slots(layer, unasked + list(step.decision.evict) + captured, protected=set(loads))
+        self._victims[layer] = list(step.decision.evict)
         self.end_layer(step)
         return Wave(loads, slots, held | set(loads))
-
-    def _free_slots(self, layer: int, order: list[int], protected: set[int]) -> None:
-        """Evict in `order` (skipping `protected` and experts no longer resident) until the layer has
-        capture_slots free slots, or the order runs out."""
-        resident = self.cache.resident(layer)
-        for e in order:
-            if len(self.cache.free[layer]) >= self.capture_slots:
-                return
-            if e in resident and e not in protected:
-                self.cache.evict(layer, e)
 
     def cpu_on_host(self, step: LayerStep) -> list[int]:
         """The host round trip with mapped misses: the misses the decision sends to the CPU, which the first wave

@@ -35,7 +35,7 @@ class LayerRecord:
     pairs_mapped: int = 0     # computed by the GPU from the expert's blob in host memory (mapped misses)
     experts_mapped: int = 0
     bytes_mapped: int = 0     # read over PCIe by those computations (a blob once per block of pairs)
-    experts_captured: int = 0  # of those, written into a free slot as they were read: resident with no copy
+    experts_captured: int = 0  # of those, written into an armed slot as they were read: resident with no copy
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
 
