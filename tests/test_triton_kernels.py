@@ -356,7 +356,7 @@ COMPILE_SM90 = textwrap.dedent("""
              "cursor_ptr": "*i32", "capture_ptr": "*i64", "block_capture_ptr": "*i32", "num_pairs": "i32",
              "num_slots": "i32", "slot_base": "i32", "host_bin": "i32", "num_blocks": "i32", "num_capture": "i32"},
             {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 512 if mapped else 256, "BLOCK_FILL": 1024,
-             "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture}, 4)
+             "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8}, 4)
         # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
         assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}

@@ -191,6 +191,17 @@ def test_misses_read_from_host_memory_equal_the_same_experts_in_slots(moe, resid
     assert {b for b in bins if b < resident} == set((slot_map[ids][slot_map[ids] >= 0] - base).tolist())
 
 
+def capture_call(moe, x, ids, pool, hidden, inter, base, slot_map, store, capture):
+    """The call with capture on a copy of pool, checked to give the outputs of the call without it; returns that
+    pool and the call's misses (experts without a slot) in increasing id."""
+    plain = fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, host=store)
+    captured_pool = pool.clone()
+    got = fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store,
+                capture=capture)
+    assert torch.equal(got, plain)
+    return captured_pool, sorted(set(ids[slot_map[ids] < 0].tolist()))
+
+
 @pytest.mark.parametrize("free, tokens, k", [(4, 6, 4), (2, 5, 3), (6, 40, 2), (3, 2, 1)],
                          ids=["fewer-free-than-misses", "two-free", "many-tokens-an-expert", "more-free-than-misses"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -203,12 +214,7 @@ def test_captured_misses_land_in_the_free_slots_in_expert_order(moe, free, token
     pool = torch.cat([store[held], torch.full((free, store.shape[1]), SENTINEL, dtype=dtype)])
     capture = torch.arange(free, dtype=torch.int64) + base + resident
     capture = torch.cat([capture, torch.tensor([-1])])          # -1 past the last free slot: never taken
-    plain = fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, host=store)
-    captured_pool = pool.clone()
-    got = fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store,
-                capture=capture)
-    assert torch.equal(got, plain)
-    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    captured_pool, misses = capture_call(moe, x, ids, pool, hidden, inter, base, slot_map, store, capture)
     taken = misses[:free]
     assert taken, "the test needs misses"
     for i, e in enumerate(taken):
@@ -231,12 +237,7 @@ def test_a_slot_the_call_reads_is_never_captured_into(moe):
     assert read and unread, "the test needs a resident expert the call reads and one it does not"
     pool = torch.cat([store[held], torch.full((1, store.shape[1]), SENTINEL)])   # slot base + resident: free
     capture = torch.tensor([base + read[0], base + resident, base + unread[0]], dtype=torch.int64)
-    plain = fused(moe, x, ids, pool.clone(), hidden, inter, slot_base=base, slot_map=slot_map, host=store)
-    captured_pool = pool.clone()
-    got = fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store,
-                capture=capture)
-    assert torch.equal(got, plain)
-    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    captured_pool, misses = capture_call(moe, x, ids, pool, hidden, inter, base, slot_map, store, capture)
     assert len(misses) >= 2
     assert torch.equal(captured_pool[read[0]], pool[read[0]])                # read this call: skipped
     assert torch.equal(captured_pool[resident], store[misses[0]])            # the free slot: the first miss
