@@ -101,7 +101,6 @@ class Engine:
         self.runner = ModelRunner(self.model, cuda_graphs=cfg.cuda_graphs, offload_graphs=cfg.offload_graphs)
         self.runner.use_kernels(self.kernels, self.model_name)
         self.timer = SectionTimer(self.device) if cfg.profile else None
-        self.manager: ExpertManager | None = None
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
         self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity,
@@ -112,7 +111,7 @@ class Engine:
         reloading weights (a benchmark sweeps policies and budgets this way). The previous manager's GPU cache pool is
         freed before the new one is allocated. policy_options go to make_policy (tau, popularity: a file path or the
         data itself, ...); options a policy does not take and None values are ignored."""
-        old, self.manager = self.runner.detach(), None
+        old = self.runner.detach()
         if old is not None:
             old.close()
             del old
@@ -136,11 +135,11 @@ class Engine:
             if self.costs is None:
                 self.costs = load_or_measure(self.store, cpu_kernel, self.device)
                 log.info("miss service: %s", self.costs.describe())
-        self.manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
-                                     costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
-                                     cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
-                                     mapped_misses=self._mapped_misses(), capture_slots=self.cfg.capture_slots)
-        self.runner.attach(self.manager)     # graphs hold the pool's addresses and a placement: new ones
+        manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
+                                costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
+                                cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
+                                mapped_misses=self._mapped_misses(), capture_slots=self.cfg.capture_slots)
+        self.runner.attach(manager)     # graphs hold the pool's addresses and a placement: new ones
 
     # EngineConfig.fused_* field -> (its kernel module, a kernel of it)
     KERNELS = {"fused_router": ("router_kernel", "sigmoid_group_route_kernel"),
@@ -196,6 +195,11 @@ class Engine:
     def set_routing_source(self, source) -> None:
         """Every MoE layer takes its routing from `source` (a TraceSource; None: from its router)."""
         self.runner.set_routing_source(source)
+
+    @property
+    def manager(self) -> ExpertManager | None:
+        """The runtime's expert manager: the one the model runner has wired into the MoE layers."""
+        return self.runner.manager
 
     @property
     def graphs(self):

@@ -30,8 +30,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                            "blob in host memory (mapped misses) per iteration"),
     "mapped_gb_per_iteration": ("mapped GB/iter", "GB", "bytes of experts the GPU read from host memory over PCIe "
                                                        "per denoising iteration (mapped misses)"),
-    "captured_experts_per_iteration": ("captured/iter", "", "mapped misses the kernels wrote into a free slot as "
-                                                            "they read them (resident with no copy) per iteration"),
+    "captured_experts_per_iteration": ("captured/iter", "", "mapped misses the kernels wrote into a slot as they "
+                                                            "read them (resident with no copy) per iteration"),
     "cpu_cost_model_ratio": ("CPU cost model / measured", "", "the CPU jobs' time as the runtime's cost model "
                                                               "predicts it (calibrated at start-up per tokens per "
                                                               "expert, slowed while copies run) / their measured "
@@ -95,24 +95,18 @@ def repeat_metrics(results, summary: dict, reference) -> dict:
     return m
 
 
+# run-statistics summary values a result line carries as they are (stats.Aggregate.summary)
+SUMMARY_METRICS = ("hit_rate_tokens", "hit_rate_experts", "cache_utilization", "h2d_gb_per_iteration",
+                   "cpu_pairs_per_iteration", "cpu_ms_per_iteration", "mapped_pairs_per_iteration",
+                   "mapped_gb_per_iteration", "captured_experts_per_iteration", "cpu_cost_model_ratio",
+                   "cpu_path_cost_model_ratio", "loads_per_iteration", "unique_experts_per_layer_iteration")
+
+
 def stats_metrics(summary: dict) -> dict:
     tot = summary.get("totals", {})
     forwards = max(summary.get("forwards", 0), 1)
-    return {
-        "hit_rate_tokens": summary.get("hit_rate_tokens"),
-        "hit_rate_experts": summary.get("hit_rate_experts"),
-        "cache_utilization": summary.get("cache_utilization"),
-        "hits_per_loaded_expert": (summary.get("hits_per_loaded_expert")          # undefined without any load
-                                   if tot.get("loads", 0) + tot.get("prefetches", 0) else None),
-        "h2d_gb_per_iteration": summary.get("h2d_gb_per_iteration"),
-        "cpu_pairs_per_iteration": summary.get("cpu_pairs_per_iteration"),
-        "cpu_ms_per_iteration": summary.get("cpu_ms_per_iteration"),
-        "mapped_pairs_per_iteration": summary.get("mapped_pairs_per_iteration"),
-        "mapped_gb_per_iteration": summary.get("mapped_gb_per_iteration"),
-        "captured_experts_per_iteration": summary.get("captured_experts_per_iteration"),
-        "cpu_cost_model_ratio": summary.get("cpu_cost_model_ratio"),
-        "cpu_path_cost_model_ratio": summary.get("cpu_path_cost_model_ratio"),
-        "loads_per_iteration": summary.get("loads_per_iteration"),
-        "prefetches_per_iteration": tot.get("prefetches", 0) / forwards if tot else None,
-        "unique_experts_per_layer_iteration": summary.get("unique_experts_per_layer_iteration"),
-    }
+    metrics = {k: summary.get(k) for k in SUMMARY_METRICS}
+    metrics["hits_per_loaded_expert"] = (summary.get("hits_per_loaded_expert")      # undefined without any load
+                                         if tot.get("loads", 0) + tot.get("prefetches", 0) else None)
+    metrics["prefetches_per_iteration"] = tot.get("prefetches", 0) / forwards if tot else None
+    return metrics

@@ -598,11 +598,10 @@ class ExpertManager:
         log, self._routing_log = self._routing_log, []
         for layer, tokens in log:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
-            evictions = self.cache.evictions[layer]
             first = self.residency.decide_mapped(layer, ids_h, weights_h)
             self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
-            if self.cache.evictions[layer] != evictions or self.stats.records[-1].experts_captured:
-                self._slots_changed.add(layer)    # captured experts in, evicted ones out of the slot map
+            if self.stats.records[-1].experts_captured:      # captured experts in, their victims out of the map
+                self._slots_changed.add(layer)
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
         """The capture table for the forward that begins: each layer's armed slots (Residency.arm_capture),

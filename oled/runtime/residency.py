@@ -124,12 +124,14 @@ class Residency:
         rec.pairs_cpu = sum(demand[e] for e in decision.cpu)
         return LayerStep(layer, demand, hits, decision, rec)
 
-    def waves(self, step: LayerStep):
+    def waves(self, step: LayerStep, resident_already: list[int] = ()):
         """Yield the layer's waves: hits plus as many loads as the layer's slots hold; more loads than slots run in
         further waves. The slots of a wave's loads are taken (evicting in the decision's order) before it is
-        yielded."""
+        yielded. resident_already: misses made resident without a copy (captured), held like the hits and not
+        loaded."""
         layer, rec = step.layer, step.rec
-        protected, queue = set(step.hits), list(step.decision.load)
+        protected = set(step.hits) | set(resident_already)
+        queue = [e for e in step.decision.load if e not in protected]
         while True:
             room = self.cache.capacity - len(protected)
             loads, queue = queue[:room], queue[room:]
@@ -198,10 +200,18 @@ class Residency:
         not loaded again."""
         step = self.begin_layer(layer, ids, weights, mapped=True)
         self._record_mapped(step, step.decision.load + step.decision.cpu)
-        if not self.capture_slots:
-            first = next(self.waves(step))
-            self.end_layer(step)
-            return first
+        captured = self._take_captured(step) if self.capture_slots else []
+        first = next(self.waves(step, captured))
+        if self.capture_slots:
+            self._victims[layer] = list(step.decision.evict)
+        self.end_layer(step)
+        return first
+
+    def _take_captured(self, step: LayerStep) -> list[int]:
+        """The misses the kernels wrote into the layer's armed slots (the kernels' rule: a slot is skipped if an
+        expert of this layer's demand holds it; the i-th miss by id takes the i-th slot left), made resident in place
+        of the victims those slots held."""
+        layer = step.layer
         usable = [(slot, owner) for slot, owner in self.armed.get(layer, []) if step.demand.get(owner, 0) == 0]
         captured = sorted(step.decision.load + step.decision.cpu)[: len(usable)]
         for e, (slot, owner) in zip(captured, usable):
@@ -209,14 +219,7 @@ class Residency:
                 self.cache.evict(layer, owner)
             self.cache.insert_at(layer, e, slot)
         step.rec.experts_captured = len(captured)
-        held = set(step.hits) | set(captured)
-        loads = [e for e in step.decision.load if e not in held][: max(self.cache.capacity - len(held), 0)]
-        slots = self._insert(layer, loads, held | set(loads), step.decision.evict)
-        step.rec.bytes_h2d += len(loads) * self.expert_bytes
-        step.rec.loads += len(loads)
-        self._victims[layer] = list(step.decision.evict)
-        self.end_layer(step)
-        return Wave(loads, slots, held | set(loads))
+        return captured
 
     def cpu_on_host(self, step: LayerStep) -> list[int]:
         """The host round trip with mapped misses: the misses the decision sends to the CPU, which the first wave
