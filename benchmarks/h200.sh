@@ -17,7 +17,8 @@
 #          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given)
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
-#          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's))
+#          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's);
+#          OVERHEAD_PROMPT="--workload code --gen-length 256" profiles the default grid's request)
 #   ttft   time to first token and prefill per budget for prompts of 32, 512 and 2,048 tokens against the PCIe floor
 #          (benchmarks/ttft.py; the engine's default kernels, TTFT_FLAGS=--no-fused for torch's)
 #   capture  --capture-slots A/B (CAPTURE_SLOTS, default "0 4"): lru, oled and oled-retain at 60 / 40 % on the default
@@ -178,6 +179,7 @@ for l in open(sys.argv[1]):
     print(r['budget'], r['prompt_tokens'], 'prefill %.1f ms (floor %.1f)' % (r['prefill_s'] * 1e3, r['prefill_floor_s'] * 1e3),
           'TTFT %.1f ms (floor %.1f)' % (r['ttft_s'] * 1e3, r['ttft_floor_s'] * 1e3),
           'TTFT / max(floor, 100 %%) %.2f' % r.get('ttft_over_bound', float('nan')),
+          'TTFT / (prefill floor + 100 %% first block) %.2f' % r.get('ttft_over_serial_bound', float('nan')),
           'first block %d iterations, %.2f ms each' % (r['first_block_iterations'], r['first_block_ms_per_iteration']))" $R/ttft.jsonl 2>/dev/null
 fi
 if has overhead; then
@@ -186,7 +188,7 @@ if has overhead; then
   for mode in ${OVERHEAD_MODES:-fused plain}; do
     flags=--no-fused; [ $mode = fused ] && flags=${OVERHEAD_FUSED:---fused}
     timeout ${OVERHEAD_S:-330} python3 benchmarks/offload_overhead.py \
-      --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} --gen-length 128 $flags \
+      --runs ${OVERHEAD_RUNS:-full@1.0,lru@1.0,lru@0.4,oled-retain@0.4,oled@0.4} ${OVERHEAD_PROMPT:---gen-length 128} $flags \
       --out $R/offload_overhead-$mode.json > $R/overhead-$mode.log 2>&1; echo "overhead ($mode) rc=$?"
     cp $R/offload_overhead-$mode.json $OUT/ 2>/dev/null
     python3 - $R/offload_overhead-$mode.json <<'PY'

@@ -13,7 +13,7 @@ inside the forward).
 
     python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4,lru@0.4+mapped]
         [--fused | --no-fused | --[no-]fused-router ...]
-        [--top 25] [--out FILE.json]
+        [--workload code --gen-length 256] [--top 25] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -79,6 +79,11 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
     clock.wrap(m, "_settle_slots", "settle_slots (mapped: copies waited, slot map rewritten)")
     clock.wrap(m, "_read_routing", "read_routing (waits for the read-back)")
     clock.wrap(m.residency, "begin_layer", "residency.begin_layer (policy)")
+    # between forwards: what the host does before a launch (the GPU may wait on it) and behind it
+    clock.wrap(m, "begin_forward", "begin_forward (before the launch: slots settled, path, capture table)")
+    clock.wrap(m, "launched", "launched (the bookkeeping deferred behind the launch)")
+    clock.wrap(m.residency, "arm_capture", "residency.arm_capture")
+    clock.wrap(m.policy, "on_iteration", "policy.on_iteration")
     clock.wrap(m, "_issue_wave", "issue_wave")
     # inside the two host steps: what is left of them beside the read-back, the policy and the waves
     clock.wrap(m, "_copy", "copy (H2D copies issued)")
@@ -139,6 +144,9 @@ def main():
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--layers", type=int, default=None)
     add_fused_args(ap)                        # the engine's --[no-]fused flags, its default where none is given
+    ap.add_argument("--workload", default=None,
+                    help="decode the first prompt of this workload (the default grid's: code) with gen-length 256 "
+                         "to match `oled bench`; default: one short prompt")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -146,7 +154,11 @@ def main():
                                  **fused_fields(args)))
     hbm_gbps = measure_hbm_bandwidth(engine.device)
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
-    prompt_ids = engine.tokenizer.encode("def quicksort(items):")
+    if args.workload:
+        from oled.bench.workloads import load
+        prompt_ids = load(args.workload, engine.tokenizer, limit=1).prompts[0].ids(engine.tokenizer)
+    else:
+        prompt_ids = engine.tokenizer.encode("def quicksort(items):")
     results = []
     for run in args.runs.split(","):
         spec, _, path = run.partition("+")

@@ -300,6 +300,10 @@ def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_pat
     assert full["ttft_over_bound"] == full["prefill_over_bound"] == 1.0
     assert half["ttft_bound_s"] == full["ttft_s"] and half["prefill_bound_s"] == full["prefill_s"]
     assert half["ttft_over_bound"] == half["ttft_s"] / full["ttft_s"]
+    # in series, without a floor: the 100 % run's prefill-free first block, or the bound above where larger
+    first_block = full["ttft_s"] - full["prefill_s"]
+    assert half["ttft_serial_bound_s"] == max(half["ttft_bound_s"], first_block)
+    assert full["ttft_over_serial_bound"] == 1.0
 
 
 def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
@@ -353,6 +357,8 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     host = out["host_ms_per_forward"]
     assert host["decide_offloaded (host step one)"] >= host["residency.begin_layer (policy)"] > 0
     assert out["calls_per_forward"]["decide_offloaded (host step one)"] == len(engine.manager.layers)
+    assert out["calls_per_forward"]["policy.on_iteration"] == 1.0          # one event a denoising forward
+    assert "on_iteration" not in vars(engine.manager.policy)
     assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
 
 

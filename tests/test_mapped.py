@@ -98,7 +98,7 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     capture; and every forward after the first arms R slots a layer (free ones, then its next victims')."""
     import torch
 
-    plain = _llm(policy, budget)
+    plain = _llm(policy, budget, capture_slots=0)
     assert _generate(plain) == full_tokens
     llm = _llm(policy, budget, capture_slots=2)
     manager = llm.engine.manager
@@ -203,6 +203,49 @@ def test_a_budget_holding_every_expert_ignores_mapped_misses(kernels, full_token
     llm = _llm("lru", "1.0")
     assert llm.engine.manager.all_resident and not llm.engine.manager.mapped
     assert _generate(llm) == full_tokens
+
+
+def test_the_policy_bookkeeping_of_a_mapped_forward_runs_behind_its_launch(kernels, full_tokens):
+    """On the mapped path the iteration event and the forward's start reach the policy once the next forward is
+    queued (its decisions come from the routing read back after the launch), so the GPU does not wait on them; before
+    a forward that decides as it runs (a cache fill on the host round trip), they come first. Tokens stay full's."""
+    llm = _llm("oled", "0.4")
+    manager = llm.engine.manager
+    log = []
+
+    def wrap(obj, name, entry):
+        inner = getattr(obj, name)
+
+        def logged(*a, **k):
+            log.append(entry(*a, **k) if callable(entry) else entry)
+            return inner(*a, **k)
+        setattr(obj, name, logged)
+    wrap(manager, "launched", "launch")
+    wrap(manager.policy, "on_iteration", "event")
+    wrap(manager.residency, "begin_forward", lambda info, **k: "start " + info.kind)
+    wrap(manager.residency, "begin_layer", lambda *a, mapped=False, **k: "mapped" if mapped else "round trip")
+    takes_mapped_path, forwards = manager.residency.takes_mapped_path, []
+
+    def every_third_on_the_round_trip(info):     # both paths are exact: the choice only moves the bookkeeping
+        forwards.append(info)
+        return takes_mapped_path(info) and len(forwards) % 3 != 0
+    manager.residency.takes_mapped_path = every_third_on_the_round_trip
+    assert _generate(llm) == full_tokens
+    behind = ahead = 0
+    for i, entry in enumerate(log):
+        if entry != "event":
+            continue
+        start = next((j for j in range(i, len(log)) if log[j].startswith("start")), None)
+        if start is None:           # the request's last event: done as the loop ends
+            continue
+        decision = next((log[j] for j in range(start, len(log)) if log[j] in ("mapped", "round trip")), None)
+        if decision == "mapped":
+            assert log[i - 1] == "launch" and log[start] == "start iteration", log[i - 2:start + 2]
+            behind += 1
+        else:
+            assert "launch" not in log[i:start + 1], log[i - 2:start + 2]
+            ahead += 1
+    assert behind > 0 and ahead > 0
 
 
 def test_a_trace_replays_the_mapped_decisions_exactly(kernels):

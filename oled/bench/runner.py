@@ -109,7 +109,7 @@ class BenchConfig:
     cuda_graphs: bool = True
     offload_graphs: bool = True
     mapped_misses: bool | None = None
-    capture_slots: int = 0
+    capture_slots: int = 4
     fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
     cpu_kernel: dict = field(default_factory=dict)   # EngineConfig's cpu_* fields (the CPU kernel's knobs)
     # decoding and protocol

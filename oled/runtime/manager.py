@@ -528,17 +528,23 @@ class ExpertManager:
             work(arg)
 
     def begin_forward(self, info: ForwardInfo) -> None:
-        if self._overlap:
-            self._deferred.append((self._begin_forward, info))
-        else:
-            self._begin_forward(info)
-
-    def _begin_forward(self, info: ForwardInfo) -> None:
+        """A forward is about to be queued. What the device reads (the settled slot map, the path, the capture table)
+        is set now. The policy's bookkeeping (the last iteration's event, this forward's start) waits behind the
+        launch where nothing in the forward depends on it: on the all-resident path, and on the mapped path, whose
+        decisions are made from the routing read back after the launch (end_forward). A host round trip decides as
+        the forward runs, so the bookkeeping is done first."""
         if self.mapped:
             self._settle_slots()
             self._mapped_now = self.residency.takes_mapped_path(info)
             if self.capture_table is not None:
                 self._arm_capture(self.residency.arm_capture(self._mapped_now))
+        if self._overlap or self._mapped_now:
+            self._deferred.append((self._start_forward, info))
+        else:
+            self.flush()
+            self._start_forward(info)
+
+    def _start_forward(self, info: ForwardInfo) -> None:
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -642,7 +648,9 @@ class ExpertManager:
             self.residency.record_resident(layer, ids.copy(), None if weights is None else weights.copy())
 
     def on_iteration(self, event: IterationEvent) -> None:
-        if self._overlap:
+        # behind the next launch where that forward does not decide as it runs (begin_forward): with the host
+        # waiting on nothing else, the GPU would wait on the policy's bookkeeping between forwards
+        if self._overlap or self.mapped:
             self._deferred.append((self.policy.on_iteration, event))
         else:
             self.policy.on_iteration(event)
