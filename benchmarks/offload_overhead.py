@@ -8,8 +8,10 @@ nested: a step's time includes those inside it) and around whole forwards, then 
 kernels that take the most GPU time. Each run's floor: the weight bytes its iterations touch (the unique experts the
 timed generate routed to, plus every non-expert weight) over the measured device-copy bandwidth.
 
-A run POLICY@BUDGET+mapped takes the mapped path (EngineConfig.mapped_misses: misses read from the pinned store
-inside the forward).
+A run POLICY@BUDGET takes the engine's default path for a denoising iteration's misses (EngineConfig.mapped_misses
+None: the mapped path where the fused MoE kernels run); POLICY@BUDGET+mapped forces the mapped path (misses read
+from the pinned store inside the forward), POLICY@BUDGET+host the host round trip. (Up to 0a1c7fd a
+run without a suffix took the host round trip.)
 
     python benchmarks/offload_overhead.py [--runs full@1.0,lru@1.0,lru@0.4,lru@0.4+mapped]
         [--fused | --no-fused | --[no-]fused-router ...]
@@ -162,10 +164,10 @@ def main():
     results = []
     for run in args.runs.split(","):
         spec, _, path = run.partition("+")
-        if path not in ("", "mapped"):
-            ap.error(f"--runs: {run!r}: a run is POLICY@BUDGET, optionally +mapped")
+        if path not in ("", "mapped", "host"):
+            ap.error(f"--runs: {run!r}: a run is POLICY@BUDGET, optionally +mapped or +host")
         policy, budget = spec.split("@")
-        engine.cfg.mapped_misses = path == "mapped"
+        engine.cfg.mapped_misses = {"": None, "mapped": True, "host": False}[path]
         engine.set_runtime(policy, budget)
         results.append(measure(engine, prompt_ids, params, run, hbm_gbps, args.top))
     if args.out:

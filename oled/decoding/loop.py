@@ -133,8 +133,9 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
                     break
                 logits = mode.block_logits(forward, canvas, ws, be, step)
                 x0, conf = predict(logits, params.temperature, generator)
+                prediction = torch.stack([x0.double(), conf.double()])   # queued before the host's decisions below
                 manager.end_forward()                     # its routing's copy queued before the read-back waits
-                host = torch.stack([x0.double(), conf.double()]).cpu().numpy()
+                host = prediction.cpu().numpy()
                 x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
                 bad = masked & ~np.isfinite(host[1])
                 if bad.any():
