@@ -201,6 +201,8 @@ for r in runs:
     print(r["run"], "wall ms/fwd %.2f gpu %.2f launches %.0f floor %.2f (x%.1f)" % (
         r["wall_ms_per_forward"], r["gpu_kernel_ms_per_forward"], r["kernels_per_forward"],
         r["floor_ms_per_forward"], r["wall_over_floor"] or float("nan")))
+    print("   decode alone %.2f ms/fwd, prefill %.1f ms" % (r.get("decode_wall_ms_per_forward", float("nan")),
+                                                          r.get("prefill_ms", float("nan"))))
     print("   memcpy ms/fwd %.2f" % r.get("memcpy_ms_per_forward", float("nan")))
     for name, ms in sorted(r["host_ms_per_forward"].items(), key=lambda kv: -kv[1])[:8]:
         print("   host %7.2f ms/fwd  %s" % (ms, name))

@@ -126,6 +126,8 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float, top
     out = {"run": label, "nfe": nfe, "cache_forwards": res.cache_forwards, "tokens": len(res.token_ids),
            "token_ids": res.token_ids,
            "wall_ms_per_forward": wall / nfe * 1e3,
+           # the denoising forwards alone (the figures around it divide the whole generate, prefill included)
+           "decode_wall_ms_per_forward": res.decode_s / nfe * 1e3, "prefill_ms": res.prefill_s * 1e3,
            "gpu_kernel_ms_per_forward": gpu_us / nfe / 1e3, "kernels_per_forward": len(kernels) / nfe,
            "memcpy_ms_per_forward": copies_us / nfe / 1e3,
            "unique_experts_per_layer_iteration": unique, "floor_ms_per_forward": floor_ms,

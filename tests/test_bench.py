@@ -358,6 +358,7 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     assert host["decide_offloaded (host step one)"] >= host["residency.begin_layer (policy)"] > 0
     assert out["calls_per_forward"]["decide_offloaded (host step one)"] == len(engine.manager.layers)
     assert out["calls_per_forward"]["policy.on_iteration"] == 1.0          # one event a denoising forward
+    assert 0 < out["decode_wall_ms_per_forward"] < out["wall_ms_per_forward"] and out["prefill_ms"] > 0
     assert "on_iteration" not in vars(engine.manager.policy)
     assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
 
