@@ -23,6 +23,8 @@
 #          (benchmarks/ttft.py; the engine's default kernels, TTFT_FLAGS=--no-fused for torch's)
 #   capture  --capture-slots A/B (CAPTURE_SLOTS, default "0 4"): lru, oled and oled-retain at 60 / 40 % on the default
 #          grid's settings, and lru and oled on the routing proxy's trace (CAPTURE_ROUTING=0 skips that part)
+#   graph-probe  the host's launch time of CUDA graphs of small kernels with and without the mapped forward's
+#          read-back nodes (D2H copies into pinned buffers, external event records; benchmarks/graph_launch_probe.py)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -128,6 +130,10 @@ for d in filter(os.path.isdir, sys.argv[1:]):
               "captured/iter %.1f" % (m.get("captured_experts_per_iteration") or {}).get("median", 0),
               "agreement", m["token_agreement"]["median"])
 PY
+fi
+if has graph-probe; then
+  timeout ${PROBE_S:-120} python3 benchmarks/graph_launch_probe.py --out $R/graph_launch.jsonl > $R/graph-probe.log 2>&1
+  echo "graph-probe rc=$?"; cat $R/graph-probe.log; cp $R/graph_launch.jsonl $OUT/ 2>/dev/null
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

@@ -372,3 +372,19 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
         for tpot, gen, nfe, per_forward in zip(m["tpot_ms"]["values"], m["generated_tokens"]["values"],
                                               m["nfe"]["values"], m["ms_per_forward"]["values"]):
             assert nfe > 0 and abs(per_forward - tpot * gen / nfe) < 1e-9 * max(1.0, per_forward)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA exit")
+def test_the_graph_launch_probe_refuses_to_run_without_cuda(tmp_path):
+    """benchmarks/graph_launch_probe.py times CUDA graph launches: without a GPU it exits 2 with one line and writes
+    nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_launch_probe.py"
+    out = tmp_path / "probe.jsonl"
+    run = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stderr.strip() == "graph_launch_probe.py needs a CUDA device"
+    assert run.stdout == "" and not out.exists()
