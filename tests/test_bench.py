@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from oled.bench import METRICS, BenchConfig, PolicySpec, render, run_bench
 from oled.bench import workloads as wl
@@ -374,7 +375,7 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
             assert nfe > 0 and abs(per_forward - tpot * gen / nfe) < 1e-9 * max(1.0, per_forward)
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA exit")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_the_graph_launch_probe_refuses_to_run_without_cuda(tmp_path):
     """benchmarks/graph_launch_probe.py times CUDA graph launches: without a GPU it exits 2 with one line and writes
     nothing."""
