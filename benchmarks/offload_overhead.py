@@ -149,8 +149,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None)
     add_fused_args(ap)                        # the engine's --[no-]fused flags, its default where none is given
     ap.add_argument("--workload", default=None,
-                    help="decode the first prompt of this workload (the default grid's: code) with gen-length 256 "
-                         "to match `oled bench`; default: one short prompt")
+                    help="decode the first prompt of this workload (the default grid's is code, with "
+                         "--gen-length 256); default: one short prompt")
     ap.add_argument("--top", type=int, default=25, help="kernels listed by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -109,16 +109,16 @@ def main(argv=None) -> int:
                     resident[tokens] = med
                 over_bound = {}
                 if tokens in resident:
+                    floors = {part: med[f"{part}_floor_s"] if med[f"{part}_floor_s"] == med[f"{part}_floor_s"]
+                              else 0.0 for part in ("prefill", "ttft")}         # NaN without a GPU: no floor
                     for part in ("prefill", "ttft"):
-                        floor = med[f"{part}_floor_s"]
-                        bound = max(floor if floor == floor else 0.0, resident[tokens][f"{part}_s"])  # NaN: no GPU
+                        bound = max(floors[part], resident[tokens][f"{part}_s"])
                         over_bound[f"{part}_bound_s"] = bound
                         over_bound[f"{part}_over_bound"] = med[f"{part}_s"] / bound
                     # the first block cannot start before the prefill ends, nor that before the prefill's bytes
                     # crossed, nor run faster than with every expert resident: a bound on TTFT in series
                     first_block = resident[tokens]["ttft_s"] - resident[tokens]["prefill_s"]
-                    prefill_floor = med["prefill_floor_s"] if med["prefill_floor_s"] == med["prefill_floor_s"] else 0.0
-                    serial = max(over_bound["ttft_bound_s"], prefill_floor + first_block)
+                    serial = max(over_bound["ttft_bound_s"], floors["prefill"] + first_block)
                     over_bound["ttft_serial_bound_s"] = serial
                     over_bound["ttft_over_serial_bound"] = med["ttft_s"] / serial
                 record = {"bench": "ttft", "model": engine.model_name, "policy": args.policy, "budget": budget,
