@@ -2,9 +2,10 @@
 
 A mapped forward's graph (BENCHMARKS.md section 20) took 0.55 ms of host time a `replay()` against 0.06 ms for
 `full`'s, with about the same number of kernels (443 against 403 launches a forward). What it has and `full`'s graph
-has not: per MoE layer, two device-to-host copies of the routing into pinned buffers and one external event record
-(ExpertManager._issue_readback). This probe captures graphs of the same shape, small kernels with and without those
-nodes, and times `replay()` on the host (the GPU idle before each) and to the end of the graph's work.
+has not: per MoE layer, two device-to-host copies of the routing into pinned buffers and two external event records
+(ExpertManager._issue_readback, run_mapped). This probe captures graphs of the same shape, small kernels with and
+without those nodes, and with a kernel storing into pinned (mapped) host memory in place of each copy, and times
+`replay()` on the host (the GPU idle before each) and to the end of the graph's work.
 
     python benchmarks/graph_launch_probe.py [--kernels 400] [--layers 19] [--repeats 50] [--out FILE.json]
 
@@ -20,20 +21,37 @@ import time
 
 import torch
 
-VARIANTS = {                      # name -> (copies a layer, event records a layer)
-    "kernels": (0, 0),
-    "kernels + D2H copies": (2, 0),
-    "kernels + external events": (0, 1),
-    "kernels + D2H copies + external events": (2, 1),
+VARIANTS = {                      # name -> (copies a layer, event records a layer, kernel stores to host a layer)
+    "kernels": (0, 0, 0),
+    "kernels + D2H copies": (2, 0, 0),
+    "kernels + external events": (0, 2, 0),
+    "kernels + D2H copies + external events (the mapped forward's)": (2, 2, 0),
+    "kernels + mapped stores": (0, 0, 2),
+    "kernels + mapped stores + external events": (0, 2, 2),
 }
 
 
-def capture(kernels: int, layers: int, copies: int, events: int, device) -> tuple[torch.cuda.CUDAGraph, list]:
-    """A graph of `kernels` small in-place kernels, with `copies` device-to-host copies into pinned buffers and
-    `events` external event records after each of `layers` evenly spaced kernels. Returns the graph and what it
-    references (kept alive with it)."""
+def store_to_host():
+    """A Triton kernel copying n floats into a pinned host buffer through its mapped address (no copy engine)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    return lambda src, dst: store[(1,)](src, dst, src.numel(), BLOCK=triton.next_power_of_2(src.numel()))
+
+
+def capture(kernels: int, layers: int, copies: int, events: int, stores: int, device
+            ) -> tuple[torch.cuda.CUDAGraph, list]:
+    """A graph of `kernels` small in-place kernels, with `copies` device-to-host copies into pinned buffers,
+    `events` external event records and `stores` kernels storing into pinned buffers after each of `layers` evenly
+    spaced kernels. Returns the graph and what it references (kept alive with it)."""
     x = torch.zeros(4096, device=device)
-    pinned = [torch.empty(256, pin_memory=True) for _ in range(layers * copies)]
+    pinned = [torch.empty(256, pin_memory=True) for _ in range(layers * (copies + stores))]
+    store = store_to_host() if stores else None
     marks = [torch.cuda.Event(external=True) for _ in range(layers * events)]
     every = max(kernels // max(layers, 1), 1)
 
@@ -44,6 +62,8 @@ def capture(kernels: int, layers: int, copies: int, events: int, device) -> tupl
             if (i + 1) % every == 0 and layer < layers:
                 for c in range(copies):
                     pinned[layer * copies + c].copy_(x[:256], non_blocking=True)
+                for c in range(stores):
+                    store(x[:256], pinned[layer * stores + c])
                 for e in range(events):
                     marks[layer * events + e].record()
                 layer += 1
@@ -56,7 +76,9 @@ def capture(kernels: int, layers: int, copies: int, events: int, device) -> tupl
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    return graph, [x, pinned, marks]
+    # after a replay, layer i's buffers hold x as it was (i + 1) * every kernels in
+    expected = [(i + 1) * every - kernels for i in range(layers) for _ in range(copies + stores)]
+    return graph, [x, pinned, expected, marks]
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, repeats: int) -> dict:
@@ -88,11 +110,16 @@ def main(argv=None) -> int:
         ap.error("--kernels and --repeats must be >= 1, --layers >= 0")
     device = torch.device("cuda")
     lines = []
-    for name, (copies, events) in VARIANTS.items():
-        graph, keep = capture(args.kernels, args.layers, copies, events, device)
+    for name, (copies, events, stores) in VARIANTS.items():
+        graph, keep = capture(args.kernels, args.layers, copies, events, stores, device)
         record = {"bench": "graph_launch", "graph": name, "kernels": args.kernels, "layers": args.layers,
                   "d2h_copies": args.layers * copies, "event_records": args.layers * events,
+                  "host_stores": args.layers * stores,
                   "repeats": args.repeats, **time_replays(graph, args.repeats)}
+        x, pinned, expected, _ = keep
+        # every copy and store has landed in host memory, with the value x had where it was issued
+        final = float(x[0])
+        record["host_buffers_right"] = all(bool((p == final + d).all()) for p, d in zip(pinned, expected))
         print(json.dumps(record), flush=True)
         lines.append(record)
         graph.reset()

@@ -203,15 +203,20 @@ runs = json.load(open(sys.argv[1]))
 ref = next((r["token_ids"] for r in runs if r["run"].startswith("full@")), None)
 for r in runs:
     if ref is not None:
-        print(r["run"], "tokens", "equal to full's" if r["token_ids"] == ref else "DIFFERENT from full's")
+        print(r["run"], "tokens", "equal to full's" if r["token_ids"] == ref else "DIFFERENT from full's",
+              "(the generate with host timers: %s)" % ("the same" if r.get("wrapped_same_tokens", True) else "OTHER"))
     print(r["run"], "wall ms/fwd %.2f gpu %.2f launches %.0f floor %.2f (x%.1f)" % (
         r["wall_ms_per_forward"], r["gpu_kernel_ms_per_forward"], r["kernels_per_forward"],
         r["floor_ms_per_forward"], r["wall_over_floor"] or float("nan")))
     print("   decode alone %.2f ms/fwd, prefill %.1f ms" % (r.get("decode_wall_ms_per_forward", float("nan")),
                                                           r.get("prefill_ms", float("nan"))))
-    print("   memcpy ms/fwd %.2f" % r.get("memcpy_ms_per_forward", float("nan")))
+    print("   memcpy ms/fwd %.2f; with the host steps timed %.2f ms/fwd" % (
+        r.get("memcpy_ms_per_forward", float("nan")), r.get("wrapped_wall_ms_per_forward", float("nan"))))
     for name, ms in sorted(r["host_ms_per_forward"].items(), key=lambda kv: -kv[1])[:8]:
         print("   host %7.2f ms/fwd  %s" % (ms, name))
+    for g in r.get("graph_replay_alone", []):
+        print("   graph of %d tokens (%s) replayed alone: launch %.0f us, launch to done %.0f us" % (
+            g["tokens"], "mapped" if g["mapped"] else "all-resident", g["launch_us"], g["launch_to_done_us"]))
     for k in r["top_kernels_us_per_forward"][:12]:
         print("   %8.1f us %6.1f x  %s" % (k["us"], k["launches"], k["kernel"]))
 PY

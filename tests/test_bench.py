@@ -354,7 +354,7 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
                                  expert_budget="0.25"))
     sync_slot_map = ExpertManager.__dict__["_sync_slot_map"]
     out = bench.measure(engine, engine.tokenizer.encode("def f(x):"), DecodeParams(gen_length=16, block_length=16),
-                        "lru@0.25", float("nan"), top=5)
+                        "lru@0.25", float("nan"))
     host = out["host_ms_per_forward"]
     assert host["decide_offloaded (host step one)"] >= host["residency.begin_layer (policy)"] > 0
     assert out["calls_per_forward"]["decide_offloaded (host step one)"] == len(engine.manager.layers)
@@ -362,6 +362,7 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     assert 0 < out["decode_wall_ms_per_forward"] < out["wall_ms_per_forward"] and out["prefill_ms"] > 0
     assert "on_iteration" not in vars(engine.manager.policy)
     assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
+    assert out["graph_replay_alone"] == []              # no CUDA graphs on the CPU
 
 
 def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):

@@ -129,6 +129,25 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
         {r.forward for r in records})
 
 
+def test_a_policy_that_never_loads_arms_no_capture():
+    """fiddler's placement is static: it would capture nothing, so its mapped path runs without the capture logic,
+    while a policy that loads keeps the slots asked for."""
+    from oled.policies import make_policy
+    from oled.runtime.budget import ExpertBudget
+    from oled.runtime.expert_cache import ExpertCache
+    from oled.runtime.residency import Residency
+    from oled.runtime.stats import RunStats
+
+    budget = ExpertBudget(slots_per_layer=8, num_layers=1, expert_bytes=1, total_expert_bytes=16)
+    kept = {}
+    for name, options in (("lru", {}), ("fiddler", {"popularity": {"1": {"3": 5}}})):
+        policy = make_policy(name, **options)
+        res = Residency(ExpertCache([1], budget, 1, None, "meta"), policy, RunStats(), num_experts=16, top_k=2,
+                        expert_bytes=1, mapped_rows=16, capture_slots=4)
+        kept[name] = res.capture_slots
+    assert kept == {"lru": 4, "fiddler": 0}
+
+
 def test_a_prefill_keeps_the_host_round_trip_and_reads_cpu_misses_from_host_memory(kernels):
     """A prefill takes the host round trip (it copies most of its misses once); the misses its policy sends to the
     CPU (fiddler: every miss outside the static placement) are read from host memory by the first wave instead, so

@@ -124,6 +124,7 @@ class Policy:
     uses_cpu = False            # the policy may compute misses on the CPU
     static_full = False         # every expert resident, nothing to decide: the manager skips host round trips
     wants_prediction = False    # events carry the next layer's predicted routing
+    loads_misses = True         # a decision may load; False (a static placement): the mapped path arms no capture
     needs_future = False        # replay only: the policy is given the trace's future demand (belady)
 
     def setup(self, ctx: PolicyContext) -> None:

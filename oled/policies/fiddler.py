@@ -55,6 +55,7 @@ def popularity_document(popularity: dict[int, dict[int, int]], provenance: dict)
 class FiddlerPolicy(Policy):
     name = "fiddler"
     uses_cpu = True
+    loads_misses = False
     options = ("popularity",)
 
     def __init__(self, popularity=None):

@@ -42,10 +42,11 @@ class Residency:
         """mapped_rows: with mapped misses, the pairs a block of the fused kernels holds (their BLOCK_M), a mapped
         blob being read once per such block of its pairs; 0: mapped misses off. capture_slots: with mapped misses,
         the slots of a layer (free ones, then its next victims) a mapped forward may capture its misses into (at most
-        half the layer's slots; 0: none, every miss a mapped forward keeps is copied after it)."""
+        half the layer's slots; 0: none, every miss a mapped forward keeps is copied after it; none either for a
+        policy that never loads, Policy.loads_misses: it would pay the capture's kernel logic and capture nothing)."""
         self.cache, self.policy, self.stats = cache, policy, stats
         self.top_k, self.mapped_rows = top_k, mapped_rows
-        self.capture_slots = min(capture_slots, cache.capacity // 2) if mapped_rows else 0
+        self.capture_slots = min(capture_slots, cache.capacity // 2) if mapped_rows and policy.loads_misses else 0
         # layer -> the slots the mapped forward under way may capture into, each with the expert it holds (None: free)
         self.armed: dict[int, list[tuple[int, int | None]]] = {}
         self._victims: dict[int, list[int]] = {}  # layer -> its last decision's eviction order
