@@ -267,6 +267,52 @@ def test_the_policy_bookkeeping_of_a_mapped_forward_runs_behind_its_launch(kerne
     assert behind > 0 and ahead > 0
 
 
+def test_a_mapped_forward_finds_its_device_state_set_behind_the_forward_before(kernels, full_tokens):
+    """The last mapped forward's decisions settle the slot map and arm the capture table for the next forward (while
+    the GPU finishes), so a mapped forward after a mapped one starts with nothing to set; a forward of the other path
+    sets its own. Every forward starts with the device slot map equal to the tables and, on the mapped path, the
+    capture table equal to the armed slots; tokens stay full's."""
+    llm = _llm("lru", "0.5", capture_slots=2)
+    manager = llm.engine.manager
+    takes_mapped_path, begin_forward, prepare = (manager.residency.takes_mapped_path, manager.begin_forward,
+                                                 manager._prepare_device)
+    paths, set_inside, inside = [], [], [False]
+
+    def every_third_on_the_round_trip(info):
+        mapped = takes_mapped_path(info) and len(paths) % 3 != 2
+        paths.append(mapped)
+        return mapped
+
+    def prepare_device(mapped):
+        if inside[0]:
+            set_inside[-1] += 1
+        return prepare(mapped)
+
+    def checked_begin_forward(info):
+        set_inside.append(0)
+        inside[0] = True
+        begin_forward(info)
+        inside[0] = False
+        for pos, layer in enumerate(manager.layers):
+            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
+            row = np.full(manager.config.num_experts, -1)
+            for e, slot in manager.cache.resident(layer).items():
+                row[e] = slot
+            assert np.array_equal(manager._ready[pos], row), (info, layer)
+            if manager.mapped_forward:
+                armed = [slot for slot, _ in manager.residency.armed[layer]]
+                assert manager.capture_table[pos].tolist() == armed + [-1] * (2 - len(armed))
+
+    manager.residency.takes_mapped_path = every_third_on_the_round_trip
+    manager._prepare_device = prepare_device
+    manager.begin_forward = checked_begin_forward
+    assert _generate(llm) == full_tokens
+    after_mapped = [i for i in range(1, len(paths)) if paths[i] and paths[i - 1]]
+    others = [i for i in range(len(paths)) if i not in after_mapped]
+    assert after_mapped and all(set_inside[i] == 0 for i in after_mapped)
+    assert others and all(set_inside[i] == 1 for i in others)
+
+
 def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
     """`oled trace` records a mapped run's header (mapped_rows), and a replay through the same policy and budget
     makes the live run's decisions: every layer record's counters equal, mapped pairs and bytes included; replayed
