@@ -242,7 +242,7 @@ class ExpertManager:
         loads it decides are copied once this layer's compute is done, for the next forwards."""
         # no prediction: the next layer's own decision comes from its real routing in the same forward, before any
         # prefetch could serve it (so `prefetch` decides as `lru` here)
-        self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False)
+        key = self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False, mapped=True)
         y_pairs = self._grouped_all(layer, x, ids, mapped=True)
         if self.cuda:
             done = self._done_events.get(layer)
@@ -250,6 +250,11 @@ class ExpertManager:
                 done = self._done_events[layer] = torch.cuda.Event(external=True)
             done.record()
             self.layer_done[layer] = done
+            # One event a layer: the read-back, queued before the compute, is complete at its end too, and the host,
+            # which decides for later forwards, can wait that long; each external event record costs a graph
+            # launch and its run about 2 and 2.6 us (benchmarks/graph_launch_probe.py, BENCHMARKS.md section 21).
+            bufs, _, has_prediction, has_input = self._readback[key]
+            self._readback[key] = (bufs, done, has_prediction, has_input)
         self._routing_log.append((layer, x.shape[0]))
         return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
 
@@ -278,40 +283,50 @@ class ExpertManager:
                              predict=self.policy.wants_prediction)
         return self._grouped_all(layer, x, ids)
 
-    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool) -> None:
+    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool, mapped: bool = False):
         """The layer's routing (and with predict the next layer's predicted ids, with cpu_input the layer's input)
-        copied to pinned buffers, with an event the host waits on (_read_routing)."""
+        copied to pinned buffers, with an event the host waits on (_read_routing; on the mapped path run_mapped puts
+        the layer's end in its place). The ids and weights travel as one int32 tensor: a device-to-host copy costs a
+        graph about 6.7 us of GPU time and 1.7 us of launch, a concatenation about 1 us. Returns the read-back's key."""
         nxt = self.residency.next_layer(layer) if predict else None
         # Prefetch: the next layer's router on this layer's input, brought back in the same read-back.
         ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
-        tensors = [ids, weights.float()] + ([ids_next] if ids_next is not None else [])
+        routing = torch.cat([ids.to(torch.int64).contiguous().view(torch.int32),
+                             weights.float().contiguous().view(torch.int32)], 1)
+        tensors = [routing] + ([ids_next] if ids_next is not None else [])
         if cpu_input:
             tensors.append(x)                     # the CPU path's input, on the host with the routing
         # one set of buffers per (layer, tokens), whichever graph or eager forward writes them
-        names = ["ids", "weights"] + (["next"] if ids_next is not None else []) + (["x"] if cpu_input else [])
+        names = ["routing"] + (["next"] if ids_next is not None else []) + (["x"] if cpu_input else [])
         bufs = [self._staging(f"routing{layer}.{name}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
                 for name, t in zip(names, tensors)]
         ready = None
-        if self.cuda:
+        if self.cuda and not mapped:
             ready = self._routing_events.get(layer)
             if ready is None:       # external: recorded by every replay of a graph that captured it
                 ready = self._routing_events[layer] = torch.cuda.Event(external=True)
             ready.record()
         # by path too: a graph of one path replays its read-back without this code, so the other path's forward of
-        # the same shape must not change what the host reads after it
-        self._readback[layer, x.shape[0], cpu_input, predict] = (bufs, ready, ids_next is not None, cpu_input)
+        # the same shape must not change what the host reads (or waits on) after it
+        key = (layer, x.shape[0], cpu_input, predict, mapped)
+        self._readback[key] = (bufs, ready, ids_next is not None, cpu_input)
+        return key
 
     def _read_routing(self, layer, tokens: int, mapped: bool = False):
         """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
         waits for the read-back begin_offloaded (or run_mapped) issued. Returns fresh arrays (a policy may keep
         them)."""
-        key = (False, False) if mapped else (self.policy.uses_cpu, self.policy.wants_prediction)
+        key = (False, False, True) if mapped else (self.policy.uses_cpu, self.policy.wants_prediction, False)
         bufs, ready, has_prediction, has_input = self._readback[(layer, tokens, *key)]
         if ready is not None:
             ready.synchronize()
-        host = [b.numpy().copy() for b in bufs[:2 + has_prediction]]
+        routing = bufs[0].numpy()
+        k = routing.shape[1] // 3                 # [T, 2k] int32 halves of the int64 ids, then [T, k] float32 bits
+        ids = np.ascontiguousarray(routing[:, : 2 * k]).view(np.int64)
+        weights = np.ascontiguousarray(routing[:, 2 * k:]).view(np.float32)
+        predicted = bufs[1].numpy().copy() if has_prediction else None
         x_host = bufs[-1] if has_input else None
-        return host[0], host[1], (host[2] if has_prediction else None), x_host
+        return ids, weights, predicted, x_host
 
     def decide_offloaded(self, layer, x, load_slots: torch.Tensor) -> "OffloadedLayer":
         """Host part one: read the routing back, let the policy decide, start the CPU jobs, issue the first wave's
