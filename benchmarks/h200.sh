@@ -25,6 +25,8 @@
 #          grid's settings, and lru and oled on the routing proxy's trace (CAPTURE_ROUTING=0 skips that part)
 #   graph-probe  the host's launch time of CUDA graphs of small kernels with and without the mapped forward's
 #          read-back nodes (D2H copies into pinned buffers, external event records; benchmarks/graph_launch_probe.py)
+#   gaps   per denoising forward, the GPU's time in the forward against its idle gap before the next, for GAPS_RUNS
+#          (default full@1.0,oled@0.4; benchmarks/forward_gaps.py, the default grid's request)
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -134,6 +136,11 @@ fi
 if has graph-probe; then
   timeout ${PROBE_S:-120} python3 benchmarks/graph_launch_probe.py --out $R/graph_launch.jsonl > $R/graph-probe.log 2>&1
   echo "graph-probe rc=$?"; cat $R/graph-probe.log; cp $R/graph_launch.jsonl $OUT/ 2>/dev/null
+fi
+if has gaps; then
+  timeout ${GAPS_S:-150} python3 benchmarks/forward_gaps.py --runs ${GAPS_RUNS:-full@1.0,oled@0.4} \
+    --out $R/forward_gaps.json > $R/gaps.log 2>&1
+  echo "gaps rc=$?"; cat $R/gaps.log | tail -12; cp $R/forward_gaps.json $OUT/ 2>/dev/null
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

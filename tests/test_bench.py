@@ -377,16 +377,17 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
-def test_the_graph_launch_probe_refuses_to_run_without_cuda(tmp_path):
-    """benchmarks/graph_launch_probe.py times CUDA graph launches: without a GPU it exits 2 with one line and writes
-    nothing."""
+@pytest.mark.parametrize("script", ["graph_launch_probe.py", "forward_gaps.py"])
+def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, script):
+    """benchmarks/graph_launch_probe.py times CUDA graph launches and forward_gaps.py reads CUDA events: without a
+    GPU each exits 2 with one line and writes nothing."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_launch_probe.py"
-    out = tmp_path / "probe.jsonl"
-    run = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True,
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    out = tmp_path / "probe.json"
+    run = subprocess.run([sys.executable, str(path), "--out", str(out)], capture_output=True, text=True,
                          timeout=120)
-    assert run.returncode == 2 and run.stderr.strip() == "graph_launch_probe.py needs a CUDA device"
+    assert run.returncode == 2 and run.stderr.strip() == f"{script} needs a CUDA device"
     assert run.stdout == "" and not out.exists()
