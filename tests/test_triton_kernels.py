@@ -194,7 +194,9 @@ def assert_same_prediction(got, logits):
     ref_x0, ref_prob = predict_reference(logits, 0.0, None)
     assert x0.dtype == torch.int64 and prob.dtype == torch.float32
     assert torch.equal(x0, ref_x0)
-    torch.testing.assert_close(prob, ref_prob, rtol=1e-5, atol=0, equal_nan=True)
+    # torch's sequential CPU sum of 40,000 terms is off the truth by up to 1.2e-5 relative on an AMD EPYC host
+    # (its vectorised code differs by CPU); the kernel's is within 1e-6 of it (checked next)
+    torch.testing.assert_close(prob, ref_prob, rtol=2e-5, atol=0, equal_nan=True)
     finite = torch.isfinite(ref_prob)
     truth = exact_confidence(logits[finite], ref_x0[finite])
     # the kernel's sums are in lanes and tiles, torch's CPU sum is sequential: the kernel is the closer one
