@@ -378,16 +378,17 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 @pytest.mark.parametrize("script", ["graph_launch_probe.py", "forward_gaps.py"])
-def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, script):
+def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, script):
     """benchmarks/graph_launch_probe.py times CUDA graph launches and forward_gaps.py reads CUDA events: without a
     GPU each exits 2 with one line and writes nothing."""
-    import subprocess
-    import sys
+    import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
     out = tmp_path / "probe.json"
-    run = subprocess.run([sys.executable, str(path), "--out", str(out)], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2 and run.stderr.strip() == f"{script} needs a CUDA device"
-    assert run.stdout == "" and not out.exists()
+    assert probe.main(["--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"{script} needs a CUDA device" and captured.out == "" and not out.exists()
