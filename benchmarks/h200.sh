@@ -140,7 +140,7 @@ fi
 if has gaps; then
   timeout ${GAPS_S:-150} python3 benchmarks/forward_gaps.py --runs ${GAPS_RUNS:-full@1.0,oled@0.4} \
     --out $R/forward_gaps.json > $R/gaps.log 2>&1
-  echo "gaps rc=$?"; cat $R/gaps.log | tail -12; cp $R/forward_gaps.json $OUT/ 2>/dev/null
+  echo "gaps rc=$?"; tail -12 $R/gaps.log; cp $R/forward_gaps.json $OUT/ 2>/dev/null
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

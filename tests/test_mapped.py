@@ -41,6 +41,16 @@ def _generate(llm, gen_length=16, block_length=8):
     return llm.engine.generate_ids(ids, DecodeParams(gen_length=gen_length, block_length=block_length)).token_ids
 
 
+def _assert_slot_map_is_the_tables(manager, where):
+    """Each layer's row of the device slot map (and the host's mirror of it) lists exactly the slot tables' experts."""
+    for pos, layer in enumerate(manager.layers):
+        row = np.full(manager.config.num_experts, -1)
+        for e, slot in manager.cache.resident(layer).items():
+            row[e] = slot
+        assert np.array_equal(manager.slot_map[pos].numpy(), row), (where, layer)
+        assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos]), (where, layer)
+
+
 @pytest.fixture(scope="module")
 def full_tokens(kernels):
     return _generate(_llm("full", "1.0", mapped=False))
@@ -67,12 +77,7 @@ def test_every_policy_gives_the_tokens_of_full(kernels, full_block, policy, budg
     residency_begin = manager.residency.begin_forward
 
     def begin_forward(info, **kw):          # after the manager settled the copies decided in the last forward
-        for pos, layer in enumerate(manager.layers):
-            row = np.full(manager.config.num_experts, -1)
-            for e, s in manager.cache.resident(layer).items():
-                row[e] = s
-            assert np.array_equal(manager.slot_map[pos].numpy(), row), (info, layer)
-            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
+        _assert_slot_map_is_the_tables(manager, info)
         checked.append(info.kind)
         return residency_begin(info, **kw)
 
@@ -300,12 +305,8 @@ def test_a_mapped_forward_finds_its_device_state_set_behind_the_forward_before(k
         inside[0] = True
         begin_forward(info)
         inside[0] = False
+        _assert_slot_map_is_the_tables(manager, info)
         for pos, layer in enumerate(manager.layers):
-            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
-            row = np.full(manager.config.num_experts, -1)
-            for e, slot in manager.cache.resident(layer).items():
-                row[e] = slot
-            assert np.array_equal(manager._ready[pos], row), (info, layer)
             if manager.mapped_forward:
                 armed = [slot for slot, _ in manager.residency.armed[layer]]
                 assert manager.capture_table[pos].tolist() == armed + [-1] * (2 - len(armed))

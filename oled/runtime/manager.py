@@ -242,19 +242,15 @@ class ExpertManager:
         loads it decides are copied once this layer's compute is done, for the next forwards."""
         # no prediction: the next layer's own decision comes from its real routing in the same forward, before any
         # prefetch could serve it (so `prefetch` decides as `lru` here)
-        key = self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False, mapped=True)
+        # One event a layer, the end of its compute: the read-back, queued before the compute, is complete then too,
+        # and the host, which decides for later forwards, can wait that long; each external event record costs a
+        # graph launch and its run about 2 and 2.6 us (benchmarks/graph_launch_probe.py, BENCHMARKS.md section 21).
+        self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False, mapped=True)
         y_pairs = self._grouped_all(layer, x, ids, mapped=True)
         if self.cuda:
-            done = self._done_events.get(layer)
-            if done is None:        # external: recorded by every replay of a graph that captured it
-                done = self._done_events[layer] = torch.cuda.Event(external=True)
+            done = self._external_event(self._done_events, layer)
             done.record()
             self.layer_done[layer] = done
-            # One event a layer: the read-back, queued before the compute, is complete at its end too, and the host,
-            # which decides for later forwards, can wait that long; each external event record costs a graph
-            # launch and its run about 2 and 2.6 us (benchmarks/graph_launch_probe.py, BENCHMARKS.md section 21).
-            bufs, _, has_prediction, has_input = self._readback[key]
-            self._readback[key] = (bufs, done, has_prediction, has_input)
         self._routing_log.append((layer, x.shape[0]))
         return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
 
@@ -283,11 +279,12 @@ class ExpertManager:
                              predict=self.policy.wants_prediction)
         return self._grouped_all(layer, x, ids)
 
-    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool, mapped: bool = False):
+    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool, mapped: bool = False) -> None:
         """The layer's routing (and with predict the next layer's predicted ids, with cpu_input the layer's input)
-        copied to pinned buffers, with an event the host waits on (_read_routing; on the mapped path run_mapped puts
-        the layer's end in its place). The ids and weights travel as one int32 tensor: a device-to-host copy costs a
-        graph about 6.7 us of GPU time and 1.7 us of launch, a concatenation about 1 us. Returns the read-back's key."""
+        copied to pinned buffers, with an event the host waits on (_read_routing): recorded here, or on the mapped
+        path the layer's end, which run_mapped records after the layer's compute. The ids and weights travel as one
+        int32 tensor: a device-to-host copy costs a graph about 6.7 us of GPU time and 1.7 us of launch, a
+        concatenation about 1 us."""
         nxt = self.residency.next_layer(layer) if predict else None
         # Prefetch: the next layer's router on this layer's input, brought back in the same read-back.
         ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
@@ -301,16 +298,22 @@ class ExpertManager:
         bufs = [self._staging(f"routing{layer}.{name}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
                 for name, t in zip(names, tensors)]
         ready = None
-        if self.cuda and not mapped:
-            ready = self._routing_events.get(layer)
-            if ready is None:       # external: recorded by every replay of a graph that captured it
-                ready = self._routing_events[layer] = torch.cuda.Event(external=True)
-            ready.record()
+        if self.cuda:
+            ready = self._external_event(self._done_events if mapped else self._routing_events, layer)
+            if not mapped:
+                ready.record()
         # by path too: a graph of one path replays its read-back without this code, so the other path's forward of
         # the same shape must not change what the host reads (or waits on) after it
-        key = (layer, x.shape[0], cpu_input, predict, mapped)
-        self._readback[key] = (bufs, ready, ids_next is not None, cpu_input)
-        return key
+        self._readback[layer, x.shape[0], cpu_input, predict, mapped] = (bufs, ready, ids_next is not None, cpu_input)
+
+    @staticmethod
+    def _external_event(events: dict, layer: int) -> torch.cuda.Event:
+        """The layer's event in `events`, made once: external, so every replay of a graph that captured its record
+        records it again."""
+        event = events.get(layer)
+        if event is None:
+            event = events[layer] = torch.cuda.Event(external=True)
+        return event
 
     def _read_routing(self, layer, tokens: int, mapped: bool = False):
         """The layer's routing (and the next layer's predicted ids, and its input for the CPU path) on the host:
