@@ -6,9 +6,13 @@ first event and its second lie its launch and its work; between its second and t
 the stream runs or waits for in between: the prediction's kernels and read-back, the host's decisions and the loop's
 bookkeeping while the GPU idles. Reports medians over the steady-state iterations (a block's first forward, which
 also writes the previous block's K/V, is left out) in ms, and the host's time inside the runner call (the launch), so
-that an offloaded path's extra time splits into a longer forward and a longer gap.
+that an offloaded path's extra time splits into a longer forward and a longer gap. With --profile, once every run is
+timed (CUPTI stays attached after a torch.profiler session and slows every launch after it), one more generate per
+run under torch.profiler from its first denoising iteration on (prefill left out): GPU kernel time, launches and the
+kernels by GPU time per forward, so that a longer forward splits by kernel.
 
-    python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--out FILE.json]
+    python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--profile]
+        [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -38,12 +43,34 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
         marks.append((begin, end, host, rows is not None and (rows.start or 0) == 0))
         return out
 
-    runner.forward = timed
+    # the host's side of the gap: when the manager's last read-back wait of a forward returned (the GPU has done
+    # the forward's last MoE layer then, its LM head is left) and when its end_forward returned
+    m = engine.manager
+    host_marks: list[tuple[str, float]] = []
+    wrapped = {}
+    for name in ("_read_routing", "end_forward"):
+        inner_m = getattr(m, name)
+
+        def stamped(*a, _inner=inner_m, _name=name, **k):
+            out = _inner(*a, **k)
+            host_marks.append((_name, time.perf_counter()))
+            return out
+        wrapped[name] = stamped
+        setattr(m, name, stamped)
+
+    def timed_and_stamped(*a, **kw):
+        host_marks.append(("forward", time.perf_counter()))
+        return timed(*a, **kw)
+
+    runner.forward = timed_and_stamped
     try:
         res = engine.generate_ids(prompt_ids, params)
         torch.cuda.synchronize()
     finally:
         del runner.forward                                   # the instance attribute shadowed the method
+        for name in wrapped:
+            delattr(m, name)
+    tails = host_tails(host_marks, [steady for *_, steady in marks])
     forward, gap, launch = [], [], []
     for (b, e, host, steady), nxt in zip(marks, marks[1:] + [None]):
         if not steady:                                        # prefill, cache fills: not an iteration
@@ -56,7 +83,70 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
     return {"run": label, "nfe": res.nfe, "iterations_timed": len(forward), "tokens": len(res.token_ids),
             "token_ids": res.token_ids, "decode_ms_per_forward": res.decode_s / res.nfe * 1e3,
             "forward_ms": med(forward), "gap_ms": med(gap) if gap else None, "runner_call_host_ms": med(launch),
-            "forward_ms_mean": statistics.fmean(forward), "gap_ms_mean": statistics.fmean(gap) if gap else None}
+            "forward_ms_mean": statistics.fmean(forward), "gap_ms_mean": statistics.fmean(gap) if gap else None,
+            **tails}
+
+
+def host_tails(host_marks, steady: list[bool]) -> dict:
+    """Per steady forward, host ms from its last routing read-back's return to its end_forward's return (the
+    decisions left once the GPU is past its last MoE layer) and from there to the next forward's hand-over (the
+    loop's own work: the step's result read, the next forward prepared)."""
+    after_readback, to_next = [], []
+    forwards = [i for i, (name, _) in enumerate(host_marks) if name == "forward"]
+    for n, (i, j) in enumerate(zip(forwards, forwards[1:])):
+        if not steady[n]:
+            continue
+        window = host_marks[i + 1: j]
+        reads = [t for name, t in window if name == "_read_routing"]
+        ends = [t for name, t in window if name == "end_forward"]
+        if ends:
+            if reads and reads[-1] <= ends[-1]:
+                after_readback.append((ends[-1] - reads[-1]) * 1e3)
+            to_next.append((host_marks[j][1] - ends[-1]) * 1e3)
+    med = statistics.median
+    return {"host_after_last_readback_ms": med(after_readback) if after_readback else None,
+            "host_end_forward_to_next_ms": med(to_next) if to_next else None}
+
+
+def profile_decode(engine, prompt_ids, params, top: int = 20) -> dict:
+    """One generate under torch.profiler, started as the first denoising iteration is handed to the runner: the
+    kernels of the iterations (and of the cache fills between blocks), per forward."""
+    from torch.profiler import ProfilerActivity, profile
+    runner = engine.runner
+    inner = runner.forward
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    forwards = [0]                                          # forwards since the profiler started; 0: not yet
+
+    def counted(ids, start, kv, kv_end, rows, **kw):
+        if forwards[0] == 0 and rows is not None and (rows.start or 0) == 0:
+            torch.cuda.synchronize()
+            prof.start()
+            forwards[0] = 1
+        elif forwards[0]:
+            forwards[0] += 1
+        return inner(ids, start, kv, kv_end, rows, **kw)
+
+    runner.forward = counted
+    try:
+        engine.generate_ids(prompt_ids, params)
+        torch.cuda.synchronize()
+    finally:
+        del runner.forward
+        if forwards[0]:
+            prof.stop()
+    n = max(forwards[0], 1)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_name[e.name][0] += e.device_time
+        by_name[e.name][1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"profiled_forwards": n,
+            "gpu_kernel_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" not in e.name) / n / 1e3,
+            "memcpy_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" in e.name) / n / 1e3,
+            "launches_per_forward": len(kernels) / n,
+            "top_kernels_us_per_forward": [{"kernel": name[:90], "us": us / n, "launches": c / n}
+                                           for name, (us, c) in ranked]}
 
 
 def main(argv=None) -> int:
@@ -65,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--workload", default="code", help="decode the first prompt of this workload")
+    ap.add_argument("--profile", action="store_true", help="the iterations' kernels under torch.profiler, after the timing")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -85,6 +176,17 @@ def main(argv=None) -> int:
         results.append(measure(engine, prompt_ids, params, run))
         r = results[-1]
         print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
+    if args.profile:
+        for r in results:
+            policy, budget = r["run"].split("@")
+            engine.set_runtime(policy, budget)
+            engine.generate_ids(prompt_ids, params)          # warm-up again: set_runtime rebuilt the graphs
+            r.update(profile_decode(engine, prompt_ids, params))
+            print(r["run"], "GPU kernels %.3f ms/fwd, copies %.3f ms/fwd, %.0f launches/fwd over %d forwards" % (
+                r["gpu_kernel_ms_per_forward"], r["memcpy_ms_per_forward"], r["launches_per_forward"],
+                r["profiled_forwards"]))
+            for k in r["top_kernels_us_per_forward"]:
+                print("   %8.1f us %6.1f x  %s" % (k["us"], k["launches"], k["kernel"]))
     ref = results[0]["token_ids"]
     for r in results[1:]:
         print(r["run"], "tokens", "equal to" if r["token_ids"] == ref else "DIFFERENT from", results[0]["run"])

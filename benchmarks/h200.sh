@@ -26,7 +26,8 @@
 #   graph-probe  the host's launch time of CUDA graphs of small kernels with and without the mapped forward's
 #          read-back nodes (D2H copies into pinned buffers, external event records; benchmarks/graph_launch_probe.py)
 #   gaps   per denoising forward, the GPU's time in the forward against its idle gap before the next, for GAPS_RUNS
-#          (default full@1.0,oled@0.4; benchmarks/forward_gaps.py, the default grid's request)
+#          (default full@1.0,oled@0.4; benchmarks/forward_gaps.py, the default grid's request), then (GAPS_FLAGS,
+#          default --profile) the iterations' kernels per forward under torch.profiler, prefill left out
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
@@ -138,9 +139,9 @@ if has graph-probe; then
   echo "graph-probe rc=$?"; cat $R/graph-probe.log; cp $R/graph_launch.jsonl $OUT/ 2>/dev/null
 fi
 if has gaps; then
-  timeout ${GAPS_S:-150} python3 benchmarks/forward_gaps.py --runs ${GAPS_RUNS:-full@1.0,oled@0.4} \
+  timeout ${GAPS_S:-150} python3 benchmarks/forward_gaps.py --runs ${GAPS_RUNS:-full@1.0,oled@0.4} ${GAPS_FLAGS:---profile} \
     --out $R/forward_gaps.json > $R/gaps.log 2>&1
-  echo "gaps rc=$?"; tail -12 $R/gaps.log; cp $R/forward_gaps.json $OUT/ 2>/dev/null
+  echo "gaps rc=$?"; tail -${GAPS_TAIL:-80} $R/gaps.log; cp $R/forward_gaps.json $OUT/ 2>/dev/null
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -392,3 +393,22 @@ def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, s
     assert probe.main(["--out", str(out)]) == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == f"{script} needs a CUDA device" and captured.out == "" and not out.exists()
+
+
+def test_the_forward_gaps_host_tails_split_each_steady_forward_at_its_last_read_back():
+    """forward_gaps.host_tails: per steady forward, the host's time from its last routing read-back to its
+    end_forward, and from there to the next forward; a forward that is not steady (prefill) is left out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "forward_gaps.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    gaps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gaps)
+    marks = [("forward", 0.0), ("end_forward", 0.001),                        # prefill: not steady
+             ("forward", 0.010), ("_read_routing", 0.011), ("_read_routing", 0.013), ("end_forward", 0.0135),
+             ("forward", 0.0145), ("_read_routing", 0.016), ("end_forward", 0.0180),
+             ("forward", 0.0200)]
+    tails = gaps.host_tails(marks, [False, True, True, True])
+    assert tails["host_after_last_readback_ms"] == pytest.approx(statistics.median([0.5, 2.0]))
+    assert tails["host_end_forward_to_next_ms"] == pytest.approx(statistics.median([1.0, 2.0]))
