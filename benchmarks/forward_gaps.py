@@ -33,7 +33,15 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
     inner = runner.forward
     marks: list[tuple] = []                                   # (start event, end event, host s, kind)
 
+    # the host's side of the gap: when each forward was handed over, when the manager's last read-back wait of a
+    # forward returned (the GPU has done the forward's last MoE layer then, its LM head is left) and when its
+    # end_forward returned
+    m = engine.manager
+    host_marks: list[tuple[str, float]] = []
+    stamped_methods = ("_read_routing", "end_forward")
+
     def timed(ids, start, kv, kv_end, rows, **kw):
+        host_marks.append(("forward", time.perf_counter()))
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         t0 = time.perf_counter()
@@ -43,32 +51,20 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
         marks.append((begin, end, host, rows is not None and (rows.start or 0) == 0))
         return out
 
-    # the host's side of the gap: when the manager's last read-back wait of a forward returned (the GPU has done
-    # the forward's last MoE layer then, its LM head is left) and when its end_forward returned
-    m = engine.manager
-    host_marks: list[tuple[str, float]] = []
-    wrapped = {}
-    for name in ("_read_routing", "end_forward"):
-        inner_m = getattr(m, name)
-
-        def stamped(*a, _inner=inner_m, _name=name, **k):
+    for name in stamped_methods:
+        def stamped(*a, _inner=getattr(m, name), _name=name, **k):
             out = _inner(*a, **k)
             host_marks.append((_name, time.perf_counter()))
             return out
-        wrapped[name] = stamped
         setattr(m, name, stamped)
 
-    def timed_and_stamped(*a, **kw):
-        host_marks.append(("forward", time.perf_counter()))
-        return timed(*a, **kw)
-
-    runner.forward = timed_and_stamped
+    runner.forward = timed
     try:
         res = engine.generate_ids(prompt_ids, params)
         torch.cuda.synchronize()
     finally:
-        del runner.forward                                   # the instance attribute shadowed the method
-        for name in wrapped:
+        del runner.forward                                   # the instance attributes shadowed the methods
+        for name in stamped_methods:
             delattr(m, name)
     tails = host_tails(host_marks, [steady for *_, steady in marks])
     forward, gap, launch = [], [], []

@@ -377,18 +377,24 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
             assert nfe > 0 and abs(per_forward - tpot * gen / nfe) < 1e-9 * max(1.0, per_forward)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
-@pytest.mark.parametrize("script", ["graph_launch_probe.py", "forward_gaps.py"])
-def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, script):
-    """benchmarks/graph_launch_probe.py times CUDA graph launches and forward_gaps.py reads CUDA events: without a
-    GPU each exits 2 with one line and writes nothing."""
+def _load_benchmark(script: str):
+    """A script of benchmarks/ (not a package) as a module."""
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     spec = importlib.util.spec_from_file_location(path.stem, path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+@pytest.mark.parametrize("script", ["graph_launch_probe.py", "forward_gaps.py"])
+def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, script):
+    """benchmarks/graph_launch_probe.py times CUDA graph launches and forward_gaps.py reads CUDA events: without a
+    GPU each exits 2 with one line and writes nothing."""
+    probe = _load_benchmark(script)
     out = tmp_path / "probe.json"
     assert probe.main(["--out", str(out)]) == 2
     captured = capsys.readouterr()
@@ -398,13 +404,7 @@ def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, s
 def test_the_forward_gaps_host_tails_split_each_steady_forward_at_its_last_read_back():
     """forward_gaps.host_tails: per steady forward, the host's time from its last routing read-back to its
     end_forward, and from there to the next forward; a forward that is not steady (prefill) is left out."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "forward_gaps.py"
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    gaps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gaps)
+    gaps = _load_benchmark("forward_gaps.py")
     marks = [("forward", 0.0), ("end_forward", 0.001),                        # prefill: not steady
              ("forward", 0.010), ("_read_routing", 0.011), ("_read_routing", 0.013), ("end_forward", 0.0135),
              ("forward", 0.0145), ("_read_routing", 0.016), ("end_forward", 0.0180),
