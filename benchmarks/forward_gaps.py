@@ -9,7 +9,9 @@ also writes the previous block's K/V, is left out) in ms, and the host's time in
 that an offloaded path's extra time splits into a longer forward and a longer gap. With --profile, once every run is
 timed (CUPTI stays attached after a torch.profiler session and slows every launch after it), one more generate per
 run under torch.profiler from its first denoising iteration on (prefill left out): GPU kernel time, launches and the
-kernels by GPU time per forward, so that a longer forward splits by kernel.
+kernels by GPU time per forward, so that a longer forward splits by kernel; and the GPU's idle time between one
+activity (kernel or copy) and the next, summed per forward by the pair of names around it, so that idle time inside
+a forward is pinned to what comes before and after it.
 
     python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--profile]
         [--out FILE.json]
@@ -137,12 +139,30 @@ def profile_decode(engine, prompt_ids, params, top: int = 20) -> dict:
         by_name[e.name][0] += e.device_time
         by_name[e.name][1] += 1
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"profiled_forwards": n,
+    return {"profiled_forwards": n, "idle_us_per_forward": idle_between(kernels, n, top),
             "gpu_kernel_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" not in e.name) / n / 1e3,
             "memcpy_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" in e.name) / n / 1e3,
             "launches_per_forward": len(kernels) / n,
             "top_kernels_us_per_forward": [{"kernel": name[:90], "us": us / n, "launches": c / n}
                                            for name, (us, c) in ranked]}
+
+
+def idle_between(activities, forwards: int, top: int) -> list[dict]:
+    """The GPU's idle time (no activity on any stream) between consecutive activities, summed per forward by the
+    names of the activity before and after each gap (gaps of 1 us or less left out: the profiler's own resolution),
+    largest first. The gap between two forwards shows as the pair (last activity of a forward, first of the next)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in activities)
+    idle = defaultdict(lambda: [0.0, 0])
+    busy_until, last = None, None
+    for start, end, name in spans:
+        if busy_until is not None and start - busy_until > 1.0:
+            pair = idle[last[:40], name[:40]]
+            pair[0] += start - busy_until
+            pair[1] += 1
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    ranked = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"before": a, "after": b, "us": us / forwards, "gaps": c / forwards} for (a, b), (us, c) in ranked]
 
 
 def main(argv=None) -> int:
@@ -183,6 +203,9 @@ def main(argv=None) -> int:
                 r["profiled_forwards"]))
             for k in r["top_kernels_us_per_forward"]:
                 print("   %8.1f us %6.1f x  %s" % (k["us"], k["launches"], k["kernel"]))
+            print(r["run"], "GPU idle a forward, by the activities around it:")
+            for g in r["idle_us_per_forward"]:
+                print("   %8.1f us %6.1f x  %s -> %s" % (g["us"], g["gaps"], g["before"], g["after"]))
     ref = results[0]["token_ids"]
     for r in results[1:]:
         print(r["run"], "tokens", "equal to" if r["token_ids"] == ref else "DIFFERENT from", results[0]["run"])

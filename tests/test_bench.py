@@ -412,3 +412,22 @@ def test_the_forward_gaps_host_tails_split_each_steady_forward_at_its_last_read_
     tails = gaps.host_tails(marks, [False, True, True, True])
     assert tails["host_after_last_readback_ms"] == pytest.approx(statistics.median([0.5, 2.0]))
     assert tails["host_end_forward_to_next_ms"] == pytest.approx(statistics.median([1.0, 2.0]))
+
+
+def test_the_forward_gaps_idle_time_is_pinned_to_the_activities_around_it():
+    """forward_gaps.idle_between: idle time where no activity runs on any stream, summed per forward by the names
+    before and after each gap; an activity overlapping another (a copy beside a kernel) leaves no gap, and gaps of
+    1 us or less are the profiler's resolution."""
+    from types import SimpleNamespace
+
+    gaps = _load_benchmark("forward_gaps.py")
+
+    def act(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    acts = [act("a", 0, 10), act("copy", 5, 30), act("b", 40, 50),          # 10 us idle: copy -> b
+            act("a", 100, 110), act("b", 110.5, 120),                       # 50 us b -> a; 0.5 us: not counted
+            act("c", 125, 126), act("a", 200, 210)]                         # 5 us b -> c, 74 us c -> a
+    idle = gaps.idle_between(acts, forwards=2, top=10)
+    assert [(g["before"], g["after"], g["us"], g["gaps"]) for g in idle] == [
+        ("c", "a", 37.0, 0.5), ("b", "a", 25.0, 0.5), ("copy", "b", 5.0, 0.5), ("b", "c", 2.5, 0.5)]

@@ -351,16 +351,23 @@ COMPILE_SM90 = textwrap.dedent("""
     assert combine["cubin"]
 
     # the fused MoE at LLaDA2.0-mini's shapes with the launcher's default tiles (oled/kernels/triton_moe.py)
-    for lookup, mapped, capture in ((False, False, False), (True, False, False), (True, True, False),
-                                    (True, True, True)):
+    # (the last: the mapped forward's, which stores the routing for the host as well)
+    align_stores = {}
+    for lookup, mapped, capture, routing in ((False, False, False, False), (True, False, False, False),
+                                             (True, True, False, False), (True, True, True, False),
+                                             (True, True, True, True)):
         align = build(align_pairs_kernel,
             {"pair_slots_ptr": "*i64", "slot_map_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32",
-             "cursor_ptr": "*i32", "capture_ptr": "*i64", "block_capture_ptr": "*i32", "num_pairs": "i32",
-             "num_slots": "i32", "slot_base": "i32", "host_bin": "i32", "num_blocks": "i32", "num_capture": "i32"},
+             "cursor_ptr": "*i32", "capture_ptr": "*i64", "block_capture_ptr": "*i32", "weights_ptr": "*fp32",
+             "routing_ptr": "*i32", "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "host_bin": "i32",
+             "num_blocks": "i32", "num_capture": "i32"},
             {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 512 if mapped else 256, "BLOCK_FILL": 1024,
-             "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8}, 4)
+             "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8, "ROUTING": routing, "TOP_K": 8}, 4)
         # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
         assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
+        align_stores[routing] = align["ptx"].count("st.global")
+    # the routing's stores (an id's two halves and its weight) only where asked for
+    assert align_stores[True] > align_stores[False], align_stores
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
     blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32", "block_capture_ptr": "*i32"}
     stores = {}

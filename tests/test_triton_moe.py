@@ -155,6 +155,29 @@ def test_looking_the_slots_up_in_a_slot_map_equals_passing_them(moe):
     assert torch.equal(blocks_a, blocks_b) and torch.equal(pairs_a[:used], pairs_b[:used])
 
 
+@pytest.mark.parametrize("tokens, k, weight_dtype", [(5, 4, torch.float32), (1, 8, torch.bfloat16),
+                                                     (200, 8, torch.float32)],
+                         ids=["fp32-weights", "bf16-weights-one-token", "several-passes"])
+def test_the_alignment_stores_the_routing_for_the_host(moe, tokens, k, weight_dtype):
+    """routing=(weights, dst): the alignment writes the call's ids (int64, as two int32 halves) and weights (fp32
+    bits) into dst row by row, as ExpertManager reads its read-back, and aligns the pairs as it does without it.
+    200 x 8 pairs take two passes of 1,024."""
+    experts = 300
+    ids, _, _, _, slot_map = partly_resident(experts, 16, 16, 2, 40, tokens, k, torch.float32, seed=11)
+    weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(5)).to(weight_dtype)
+    dst = torch.full((tokens, 3 * k), -7, dtype=torch.int32)
+    with_routing = moe.module.align_pairs(ids, 40, 2, 16, slot_map, routing=(weights, dst))
+    without = moe.module.align_pairs(ids, 40, 2, 16, slot_map)
+    assert torch.equal(dst[:, : 2 * k].contiguous().view(torch.int64), ids.view(tokens, k))
+    assert torch.equal(dst[:, 2 * k:].contiguous().view(torch.float32), weights.float())
+    used = int((without[1] >= 0).sum()) * 16
+    assert torch.equal(with_routing[1], without[1]) and torch.equal(with_routing[0][:used], without[0][:used])
+    with pytest.raises(ValueError, match="routing must be"):
+        moe.module.align_pairs(ids, 40, 2, 16, slot_map, routing=(weights, dst[:, 1:]))
+    with pytest.raises(ValueError, match="routing must be"):        # the routing comes from the looked-up ids
+        moe.module.align_pairs(slot_map[ids], 40, 2, 16, routing=(weights, dst))
+
+
 def partly_resident(experts, hidden, inter, base, resident, tokens, k, dtype, seed):
     """A layer's store of `experts` blobs, `tokens` x `k` distinct routed ids, and a slot map holding `resident`
     random experts in slots base, base + 1, ...: (ids, store, x, held experts, slot_map)."""

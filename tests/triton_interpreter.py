@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 
 import pytest
@@ -34,6 +35,40 @@ def interpreted_kernels(*modules):
         pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module; run it in its own process")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
+    _patch_device_calls_once(mp)
     for name in modules:
         importlib.reload(importlib.import_module(f"oled.kernels.{name}"))
     return mp
+
+
+def _patch_device_calls_once(mp: pytest.MonkeyPatch) -> None:
+    """The interpreter re-patches triton.language on every call of a device function (a @triton.jit helper, or
+    tl.sum, tl.cumsum, ...) from inside a kernel, scanning the language modules each time: 2.4 ms a call, a third
+    of an interpreted MoE forward's time. Inside a running kernel those modules are patched already (the kernel's
+    launch patched them; a device call's own patches are never undone), so the call runs the function directly
+    when every language module it sees is patched, and patches as the interpreter does otherwise."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterError
+
+    is_builtin = tl.core.is_builtin
+    interpreted_call = InterpretedFunction.__call__
+    langs_of: dict = {}
+
+    def patched(langs) -> bool:
+        return not (is_builtin(tl.core.tensor.__add__) or is_builtin(tl.math.exp)
+                    or any(is_builtin(lang.load) for lang in langs))
+
+    def call(self, *args, **kwargs):
+        langs = langs_of.get(self.fn)
+        if langs is None:
+            langs = langs_of[self.fn] = [value for value in self.fn.__globals__.values()
+                                         if inspect.ismodule(value) and value in (tl, tl.core)]
+        if not langs or not patched(langs):
+            return interpreted_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise InterpreterError(repr(e)) from e
+
+    mp.setattr(InterpretedFunction, "__call__", call)

@@ -39,9 +39,11 @@ def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base
 @triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "host_bin", "num_blocks", "num_capture"])
 def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
+    weights_ptr, routing_ptr,
     num_pairs, num_slots, slot_base, host_bin, num_blocks, num_capture,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
     LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROUTING: tl.constexpr, TOP_K: tl.constexpr,
 ):
     """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
     block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
@@ -59,6 +61,11 @@ def align_pairs_kernel(
     their order: the i-th one's first block gets block_capture = (i-th usable slot) - slot_base, every other block
     -1, and the compute kernels of that block write the tiles they read into that slot, so the expert is resident
     after the call with no copy (and the slot's old expert, which this call did not read, is gone).
+
+    ROUTING (with LOOKUP): the call's routing is stored as well, for the host, into routing [T, 3 * TOP_K] int32
+    (T = num_pairs / TOP_K): row t holds the ids of pairs t * TOP_K .. as int64 (two int32 halves each, low first),
+    then their weights (weights [num_pairs], any float dtype) as fp32 bits. On a GPU routing is pinned host memory
+    written through its mapped address: the read-back with no copy node and no concatenation.
     """
     lane = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)
@@ -67,6 +74,16 @@ def align_pairs_kernel(
     counts = tl.zeros([BLOCK_S], tl.int32)
     start = 0
     while start < num_pairs:
+        if ROUTING:
+            pair = start + lane
+            inside = pair < num_pairs
+            expert = tl.load(pair_slots_ptr + pair, mask=inside, other=0)
+            weight = tl.load(weights_ptr + pair, mask=inside, other=0.0).to(tl.float32)
+            row = (pair // TOP_K) * (3 * TOP_K)
+            col = pair % TOP_K
+            tl.store(routing_ptr + row + 2 * col, expert.to(tl.int32), mask=inside)
+            tl.store(routing_ptr + row + 2 * col + 1, (expert >> 32).to(tl.int32), mask=inside)
+            tl.store(routing_ptr + row + 2 * TOP_K + col, weight.to(tl.int32, bitcast=True), mask=inside)
         slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_slots, slot_base, host_bin,
                         LOOKUP, MAPPED)
         # masked-out lanes are 0, not -1: the interpreter's masked histogram takes them back off bin 0

@@ -98,7 +98,8 @@ def padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
 def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor, hidden: int,
                        intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
                        tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None,
-                       host: torch.Tensor | None = None, capture: torch.Tensor | None = None) -> None:
+                       host: torch.Tensor | None = None, capture: torch.Tensor | None = None,
+                       routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -115,7 +116,8 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     absolute as slot_map's, -1 for none; free, or holding an expert the caller would evict next), the experts read
     from host memory, in increasing id, are written as their tiles are read into those of the slots that no pair of
     the call reads, in their order, so they are resident after the call without a copy; the caller makes slot_map
-    say so (and drops the slots' old experts).
+    say so (and drops the slots' old experts). With routing = (weights [T, k], dst) as well (slot_map given), the
+    alignment also stores the call's ids and weights into dst for the host (align_pairs), no launch added.
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
@@ -134,7 +136,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     bins = num_slots + (host.shape[0] if mapped else 0)       # the pool's slots, then one bin an expert on the host
     sorted_pairs, block_slots, block_capture = align_pairs(
         pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots, mapped=mapped and slot_map is not None,
-        capture=capture)
+        capture=capture, routing=routing)
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
@@ -186,13 +188,17 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tenso
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
                 slot_map: torch.Tensor | None = None, *, host_bin: int | None = None, mapped: bool = False,
-                capture: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capture: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
     -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
     oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
     are the first host_bin of them and a pair whose expert has no slot goes to bin host_bin + its id. The third
     result, block_capture [padded_rows / block_m] int32, is each block's capture slot (relative to slot_base, -1 for
-    none) with capture (the armed slots, see fused_swiglu_pairs), else block_slots itself (never read)."""
+    none) with capture (the armed slots, see fused_swiglu_pairs), else block_slots itself (never read).
+    routing = (weights, dst), with slot_map: weights [T, k] (any float dtype, T * k = P) and dst [T, 3 * k] int32
+    (contiguous; for a compiled kernel pinned host memory, or on the pairs' device) get the call's routing as the
+    kernel's docstring lays it out (the ids' int64 halves, then the weights' fp32 bits), in the same launch."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -207,15 +213,29 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     # a decode call's pairs (T * k of a few hundred) in one pass: 1,024 pairs over 4 warps
     if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype != torch.int64 or slot_map.stride(0) != 1):
         raise ValueError(f"slot_map must be a contiguous [E] int64 row, got {tuple(slot_map.shape)} {slot_map.dtype}")
+    weights, dst = routing if routing is not None else (pair_slots, pair_slots)     # not read without ROUTING
+    top_k = 1
+    if routing is not None:
+        top_k = weights.shape[-1] if weights.dim() == 2 else 0
+        if (slot_map is None or top_k == 0 or weights.numel() != num_pairs or not weights.is_floating_point()
+                or dst.dtype != torch.int32 or tuple(dst.shape) != (num_pairs // top_k, 3 * top_k)
+                or not dst.is_contiguous()):
+            raise ValueError(f"routing must be (weights [T, k] float, dst [T, 3k] int32 contiguous) with slot_map "
+                             f"for {num_pairs} pairs, got {tuple(weights.shape)} {weights.dtype} and "
+                             f"{tuple(dst.shape)} {dst.dtype}")
+        if (not interpreted(align_pairs_kernel) and dst.device != device
+                and not (dst.device.type == "cpu" and dst.is_pinned())):
+            raise ValueError(f"routing's dst must be pinned host memory (or on {device}) for a compiled kernel")
+        weights = weights.contiguous()
     align_pairs_kernel[(1,)](
         pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor,
-        pair_slots if capture is None else capture, block_capture, num_pairs,
+        pair_slots if capture is None else capture, block_capture, weights, dst, num_pairs,
         num_slots, slot_base, num_slots if host_bin is None else host_bin, block_slots.shape[0],
         0 if capture is None else capture.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
         BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
         BLOCK_R=max(2, triton.next_power_of_2(0 if capture is None else capture.shape[0])),
-        num_warps=4)
+        ROUTING=routing is not None, TOP_K=top_k, num_warps=4)
     return sorted_pairs, block_slots, block_capture
 
 

@@ -242,13 +242,17 @@ class ExpertManager:
         loads it decides are copied once this layer's compute is done, for the next forwards."""
         # no prediction: the next layer's own decision comes from its real routing in the same forward, before any
         # prefetch could serve it (so `prefetch` decides as `lru` here)
-        # One event a layer, the end of its compute: the read-back, queued before the compute, is complete then too,
-        # and the host, which decides for later forwards, can wait that long; each external event record costs a
-        # graph launch and its run about 2 and 2.6 us (benchmarks/graph_launch_probe.py, BENCHMARKS.md section 21).
-        self._issue_readback(layer, x, ids, weights, cpu_input=False, predict=False, mapped=True)
-        y_pairs = self._grouped_all(layer, x, ids, mapped=True)
+        # The read-back is the alignment kernel's: it stores the routing into the layer's pinned buffer through its
+        # mapped address, no copy node and no concatenation (a copy node cost a graph 6.7 us of GPU time and 1.7 us
+        # of launch, a kernel's store into mapped memory what a small kernel costs; benchmarks/graph_launch_probe.py,
+        # BENCHMARKS.md section 21). One event a layer, the end of its compute: the routing is in host memory then
+        # too, and the host, which decides for later forwards, can wait that long; each external event record costs
+        # a graph launch and its run about 2 and 2.6 us (the same probe).
+        routing = self._routing_buffer(layer, ids.shape[0], ids.shape[1])
+        done = self._external_event(self._done_events, layer) if self.cuda else None
+        self._readback[layer, x.shape[0], False, False, True] = ([routing], done, False, False)
+        y_pairs = self._grouped_all(layer, x, ids, mapped=True, routing=(weights, routing))
         if self.cuda:
-            done = self._external_event(self._done_events, layer)
             done.record()
             self.layer_done[layer] = done
         self._routing_log.append((layer, x.shape[0]))
@@ -279,12 +283,17 @@ class ExpertManager:
                              predict=self.policy.wants_prediction)
         return self._grouped_all(layer, x, ids)
 
-    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool, mapped: bool = False) -> None:
+    def _routing_buffer(self, layer: int, tokens: int, top_k: int) -> torch.Tensor:
+        """The pinned buffer a layer's routing of `tokens` rows is read back into: [T, 3k] int32, the ids' int64
+        halves then the weights' fp32 bits (_read_routing). One a (layer, tokens), whichever graph or eager forward
+        writes it."""
+        return self._staging(f"routing{layer}.routing.{tokens}", (tokens, 3 * top_k), torch.int32)
+
+    def _issue_readback(self, layer, x, ids, weights, cpu_input: bool, predict: bool) -> None:
         """The layer's routing (and with predict the next layer's predicted ids, with cpu_input the layer's input)
-        copied to pinned buffers, with an event the host waits on (_read_routing): recorded here, or on the mapped
-        path the layer's end, which run_mapped records after the layer's compute. The ids and weights travel as one
+        copied to pinned buffers, with an event the host waits on (_read_routing). The ids and weights travel as one
         int32 tensor: a device-to-host copy costs a graph about 6.7 us of GPU time and 1.7 us of launch, a
-        concatenation about 1 us."""
+        concatenation about 1 us. (The mapped path's alignment kernel writes the routing itself: run_mapped.)"""
         nxt = self.residency.next_layer(layer) if predict else None
         # Prefetch: the next layer's router on this layer's input, brought back in the same read-back.
         ids_next = self.predictors[nxt](x)[0] if nxt is not None else None
@@ -294,17 +303,18 @@ class ExpertManager:
         if cpu_input:
             tensors.append(x)                     # the CPU path's input, on the host with the routing
         # one set of buffers per (layer, tokens), whichever graph or eager forward writes them
-        names = ["routing"] + (["next"] if ids_next is not None else []) + (["x"] if cpu_input else [])
-        bufs = [self._staging(f"routing{layer}.{name}.{t.shape[0]}", t.shape, t.dtype).copy_(t, non_blocking=self.cuda)
-                for name, t in zip(names, tensors)]
+        names = (["next"] if ids_next is not None else []) + (["x"] if cpu_input else [])
+        bufs = [self._routing_buffer(layer, *ids.shape)] + [
+            self._staging(f"routing{layer}.{name}.{t.shape[0]}", t.shape, t.dtype) for name, t in zip(names, tensors[1:])]
+        for buf, t in zip(bufs, tensors):
+            buf.copy_(t, non_blocking=self.cuda)
         ready = None
         if self.cuda:
-            ready = self._external_event(self._done_events if mapped else self._routing_events, layer)
-            if not mapped:
-                ready.record()
+            ready = self._external_event(self._routing_events, layer)
+            ready.record()
         # by path too: a graph of one path replays its read-back without this code, so the other path's forward of
         # the same shape must not change what the host reads (or waits on) after it
-        self._readback[layer, x.shape[0], cpu_input, predict, mapped] = (bufs, ready, ids_next is not None, cpu_input)
+        self._readback[layer, x.shape[0], cpu_input, predict, False] = (bufs, ready, ids_next is not None, cpu_input)
 
     @staticmethod
     def _external_event(events: dict, layer: int) -> torch.cuda.Event:
@@ -374,11 +384,12 @@ class ExpertManager:
         base = self.layer_pos[layer] * self.cache.capacity
         return base, self.cache.pool[base:base + self.cache.capacity]
 
-    def _grouped_all(self, layer, x, ids, mapped: bool = False) -> torch.Tensor:
+    def _grouped_all(self, layer, x, ids, mapped: bool = False, routing=None) -> torch.Tensor:
         """The grouped compute of every pair whose expert the device slot map holds, one output row per (token,
         expert) pair; rows of pairs without one are unspecified, or with `mapped` computed from the pinned store.
         The kernels and shapes do not depend on the routing, so a graph replays them. The fused kernels look the
-        slots up in the map themselves."""
+        slots up in the map themselves; with routing = (weights, buffer) their alignment also writes the routing
+        into the buffer (_routing_buffer's layout)."""
         flat = ids.reshape(-1)
         pos = self.layer_pos[layer]
         row = self.slot_map[pos]
@@ -389,7 +400,7 @@ class ExpertManager:
                 self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row,
                                   host=self.store.blobs[pos] if mapped else None,
                                   capture=self.capture_table[pos] if mapped and self.capture_table is not None
-                                  else None)
+                                  else None, routing=routing)
             return y_pairs
         self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         return y_pairs
