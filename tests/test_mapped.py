@@ -87,6 +87,16 @@ def test_every_policy_gives_the_tokens_of_full(kernels, full_block, policy, budg
     summary = manager.stats.summary()
     assert summary["cpu_pairs_per_iteration"] == 0
     assert summary["mapped_pairs_per_iteration"] > 0 and summary["loads_per_iteration"] > 0
+    # no per-layer event on the mapped path; every routing buffer a forward wrote is unset once read, and a new
+    # request unsets what a forward cut short would have left
+    from oled.runtime.manager import MAPPED_UNSET
+    mapped = [ready for key, (_, ready, _, _) in manager._readback.items() if key[-1]]
+    assert mapped and all(ready is None for ready in mapped)
+    buffers = list(manager._mapped_buffers.values())
+    assert buffers and all((b == MAPPED_UNSET).all() for b in buffers)
+    buffers[0].numpy().fill(3)
+    manager.on_request_start()
+    assert (buffers[0] == MAPPED_UNSET).all()
 
 
 def test_each_pair_is_a_hit_or_a_mapped_miss_and_loads_fit_beside_the_hits(kernels, full_block):
@@ -230,10 +240,10 @@ def test_mapped_misses_need_the_fused_kernels(kernels):
                  fused_moe=False, mapped_misses=True)
 
 
-def test_a_budget_holding_every_expert_ignores_mapped_misses(kernels, full_block):
+def test_a_budget_holding_every_expert_ignores_mapped_misses(kernels):
+    """Every expert resident: the all-resident path (one graph, no host step), whose tokens test_triton_moe checks."""
     llm = _llm("lru", "1.0")
     assert llm.engine.manager.all_resident and not llm.engine.manager.mapped
-    assert _generate(llm, gen_length=8) == full_block
 
 
 def test_the_policy_bookkeeping_of_a_mapped_forward_runs_behind_its_launch(kernels, full_tokens):
@@ -367,3 +377,34 @@ def test_the_traffic_replay_of_the_three_miss_paths():
     for r in rows.values():
         assert r["pcie_gb"] == pytest.approx(r["copied_gb"] + r["mapped_gb"])
         assert r["pcie_ms"] == pytest.approx(r["pcie_gb"] / 50.0 * 1e3)
+
+
+def test_a_mapped_read_waits_until_every_routing_value_has_landed():
+    """The host learns that a mapped forward's routing landed from the buffer itself (no event a layer):
+    _await_routing returns once no value is MAPPED_UNSET, or once the forward's end event is done, after which a value
+    still unset is the value itself (a NaN weight of that pattern), so the wait is bounded either way."""
+    from types import SimpleNamespace
+
+    from oled.runtime.manager import MAPPED_UNSET, ExpertManager
+
+    class ForwardEnd:
+        """Stand-in for the forward's end event: the kernel's stores land at the `land`-th query, the forward is
+        over from the `done`-th."""
+        def __init__(self, buf, land, done):
+            self.buf, self.land, self.done, self.queries = buf, land, done, 0
+
+        def query(self):
+            self.queries += 1
+            if self.queries == self.land:
+                self.buf[:] = np.arange(self.buf.size, dtype=np.int32).reshape(self.buf.shape)
+            return self.queries >= self.done
+
+    buf = np.full((2, 6), MAPPED_UNSET, dtype=np.int32)
+    end = ForwardEnd(buf, land=3, done=10)
+    ExpertManager._await_routing(SimpleNamespace(_forward_end=end), buf)
+    assert end.queries == 3 and (buf != MAPPED_UNSET).all()
+    buf[:] = MAPPED_UNSET                                   # a value that never changes: the forward's end ends it
+    end = ForwardEnd(buf, land=0, done=4)
+    ExpertManager._await_routing(SimpleNamespace(_forward_end=end), buf)
+    assert end.queries == 4 and (buf == MAPPED_UNSET).all()
+

@@ -72,3 +72,21 @@ def _patch_device_calls_once(mp: pytest.MonkeyPatch) -> None:
             raise InterpreterError(repr(e)) from e
 
     mp.setattr(InterpretedFunction, "__call__", call)
+    # and the interpreter's dtype lookup, which builds its table of NumPy dtypes on every call (tens of thousands
+    # an interpreted forward): the same answers, from the first call's table
+    from triton.runtime import interpreter
+
+    np_dtype = interpreter._get_np_dtype
+    by_name: dict = {}
+
+    def cached_np_dtype(tt_dtype):
+        # a block's dtype is its element's, a pointer's (or a block of pointers') uint64, as the interpreter has it
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return np_dtype(element)
+        found = by_name.get(element.name)
+        if found is None:
+            found = by_name[element.name] = np_dtype(element)
+        return found
+
+    mp.setattr(interpreter, "_get_np_dtype", cached_np_dtype)

@@ -46,6 +46,8 @@ from .timer import SectionTimer
 #            slower than idle, off 0.9-1.6 x; BENCHMARKS.md section 9)
 WAKE_MODES = CPU_WAKE_MODES
 LAYER_HOLD_S = 0.001
+# A mapped forward's routing buffer before the kernel's store: no id's half is -1, and a weight only as one NaN
+MAPPED_UNSET = -1
 
 
 def check_cpu_wake(mode: str) -> None:
@@ -123,7 +125,10 @@ class ExpertManager:
             self._capture_host = np.full(shape, -1, dtype=np.int64)
             self._capture_staging = torch.empty((2, *shape), dtype=torch.int64, pin_memory=self.cuda)
             self._capture_flip = 0
-        self._done_events: dict[int, torch.cuda.Event] = {}     # layer -> the end of its MoE compute (graphs too)
+        # mapped path: the event recorded after the forward (end_forward), which bounds the host's wait for a layer's
+        # routing and which the copies of its last layer's loads wait on
+        self._forward_end: torch.cuda.Event | None = None
+        self._mapped_buffers: dict[tuple[int, int], torch.Tensor] = {}     # (layer, tokens) -> routing buffer
         # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
         # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
         self.slot_map = self.cache.slot_table(self.config.num_experts)
@@ -236,27 +241,43 @@ class ExpertManager:
         return self._mapped_now
 
     def run_mapped(self, layer, x, ids, weights, shared=None):
-        """The mapped path: the routing's read-back is issued, then every pair is computed, a hit from its slot and a
-        miss from its blob in the pinned store; no host step, so a graph replays the whole forward. The host takes
-        the layer's routing once the forward is queued (end_forward: the policy's event and decision), and the
-        loads it decides are copied once this layer's compute is done, for the next forwards."""
+        """The mapped path: every pair is computed, a hit from its slot and a miss from its blob in the pinned store,
+        and the routing is stored for the host on the way; no host step and no event, so a graph replays the whole
+        forward as kernels only. The host takes the layer's routing once the forward is queued (end_forward: the
+        policy's event and decision), and the loads it decides are copied once this layer's compute is done, for
+        the next forwards."""
         # no prediction: the next layer's own decision comes from its real routing in the same forward, before any
         # prefetch could serve it (so `prefetch` decides as `lru` here)
         # The read-back is the alignment kernel's: it stores the routing into the layer's pinned buffer through its
         # mapped address, no copy node and no concatenation (a copy node cost a graph 6.7 us of GPU time and 1.7 us
-        # of launch, a kernel's store into mapped memory what a small kernel costs; benchmarks/graph_launch_probe.py,
-        # BENCHMARKS.md section 21). One event a layer, the end of its compute: the routing is in host memory then
-        # too, and the host, which decides for later forwards, can wait that long; each external event record costs
-        # a graph launch and its run about 2 and 2.6 us (the same probe).
-        routing = self._routing_buffer(layer, ids.shape[0], ids.shape[1])
-        done = self._external_event(self._done_events, layer) if self.cuda else None
-        self._readback[layer, x.shape[0], False, False, True] = ([routing], done, False, False)
+        # of launch; benchmarks/graph_launch_probe.py, BENCHMARKS.md section 21). The host learns that the routing
+        # landed from the buffer itself, which holds MAPPED_UNSET until the kernel overwrites every value
+        # (_await_routing): no event a layer, whose record left the GPU idle about 10 us after each layer's compute
+        # in the graph (BENCHMARKS.md section 23).
+        routing = self._mapped_buffer(layer, ids.shape[0], ids.shape[1])
+        self._readback[layer, x.shape[0], False, False, True] = ([routing], None, False, False)
         y_pairs = self._grouped_all(layer, x, ids, mapped=True, routing=(weights, routing))
-        if self.cuda:
-            done.record()
-            self.layer_done[layer] = done
         self._routing_log.append((layer, x.shape[0]))
         return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
+
+    def _mapped_buffer(self, layer: int, tokens: int, top_k: int) -> torch.Tensor:
+        """A mapped forward's routing buffer of (layer, tokens), _routing_buffer's layout, its own (the host round
+        trip's copies never write it): every value MAPPED_UNSET except between the kernel's store and the host's
+        read, which sets them back."""
+        buf = self._mapped_buffers.get((layer, tokens))
+        if buf is None:
+            buf = torch.full((tokens, 3 * top_k), MAPPED_UNSET, dtype=torch.int32, pin_memory=self.cuda)
+            self._mapped_buffers[layer, tokens] = buf
+        return buf
+
+    def _await_routing(self, routing: np.ndarray) -> None:
+        """Until the alignment kernel's stores of a mapped forward's routing have all landed: no value is
+        MAPPED_UNSET (an id's halves never are; a weight's bits only as a NaN of one pattern), or the forward has
+        ended, after which whatever the buffer holds is its value (a NaN weight: the logits end the request)."""
+        end = self._forward_end
+        while (routing == MAPPED_UNSET).any():
+            if end is None or end.query():
+                return
 
     def run_offloaded(self, layer, x, ids, weights, shared=None):
         """The offloaded path, in four parts, so that a segmented CUDA graph (decoding/graphs.py) replays the two
@@ -334,9 +355,13 @@ class ExpertManager:
         if ready is not None:
             ready.synchronize()
         routing = bufs[0].numpy()
+        if mapped:
+            self._await_routing(routing)
         k = routing.shape[1] // 3                 # [T, 2k] int32 halves of the int64 ids, then [T, k] float32 bits
         ids = np.ascontiguousarray(routing[:, : 2 * k]).view(np.int64)
         weights = np.ascontiguousarray(routing[:, 2 * k:]).view(np.float32)
+        if mapped:
+            routing.fill(MAPPED_UNSET)            # copied out: unset again for the next forward's stores
         predicted = bufs[1].numpy().copy() if has_prediction else None
         x_host = bufs[-1] if has_input else None
         return ids, weights, predicted, x_host
@@ -608,6 +633,9 @@ class ExpertManager:
             self.cpu_kernel.hold(0.0)
         if self._mapped_now:
             self._mapped_now = False
+            if self.cuda:                         # behind the forward (and the loop's prediction) on the stream
+                self._forward_end = torch.cuda.Event()
+                self._forward_end.record()
             self._decide_mapped()
             return
         if not self._routing_log:
@@ -639,12 +667,22 @@ class ExpertManager:
         forwards: as many as fit beside the layer's hits (one wave), copied once the layer's compute is done. The
         events carry no prediction of the next layer (run_mapped), so a decision has no prefetch."""
         log, self._routing_log = self._routing_log, []
+        if self.cuda:
+            for layer, _ in log:                  # the last compute that read these layers' slots
+                self.layer_done[layer] = self._forward_end
+        held = None                               # the last layer's loads, copied once its compute is done
         for layer, tokens in log:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
+            if held is not None:
+                # this layer's routing is stored by its first kernel, which the stream ran after the last layer's
+                # compute: that compute, which read the victims' slots, is done, so the copies need not wait
+                self._copy(*held, wait_layer=False)
             first = self.residency.decide_mapped(layer, ids_h, weights_h)
-            self._copy(layer, first.loads, first.slots)       # waits for this layer's compute (layer_done)
+            held = (layer, first.loads, first.slots)
             if self.stats.records[-1].experts_captured:      # captured experts in, their victims out of the map
                 self._slots_changed.add(layer)
+        if held is not None:
+            self._copy(*held)                     # waits for the forward's end (layer_done)
         # The next forward's device state, as for a mapped one (a denoising iteration follows most of them), set
         # now, while the GPU finishes this forward's last layers and its LM head, instead of before the next launch
         # with the GPU idle (begin_forward took 0.17 ms a forward for oled at 40 % with capture on the H200,
@@ -700,6 +738,9 @@ class ExpertManager:
             self.policy.on_iteration(event)
 
     def on_request_start(self) -> None:
+        # a mapped forward that an exception cut short left routing nobody read: unset, so no read takes it as new
+        for buf in self._mapped_buffers.values():
+            buf.numpy().fill(MAPPED_UNSET)        # made inside the forward's inference mode: written as NumPy
         self.policy.on_request_start()
 
     def close(self) -> None:
