@@ -60,6 +60,17 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
             return out
         setattr(m, name, stamped)
 
+    # the host's time inside the steps of a mapped forward's decisions, summed over the generate
+    summed = {"_await_routing": m, "_copy": m, "_prepare_device": m, "decide_mapped": m.residency}
+    host_sums = dict.fromkeys(summed, 0.0)
+    for name, owner in summed.items():
+        def summing(*a, _inner=getattr(owner, name), _name=name, **k):
+            t = time.perf_counter()
+            out = _inner(*a, **k)
+            host_sums[_name] += time.perf_counter() - t
+            return out
+        setattr(owner, name, summing)
+
     runner.forward = timed
     try:
         res = engine.generate_ids(prompt_ids, params)
@@ -68,6 +79,8 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
         del runner.forward                                   # the instance attributes shadowed the methods
         for name in stamped_methods:
             delattr(m, name)
+        for name, owner in summed.items():
+            delattr(owner, name)
     tails = host_tails(host_marks, [steady for *_, steady in marks])
     forward, gap, launch = [], [], []
     for (b, e, host, steady), nxt in zip(marks, marks[1:] + [None]):
@@ -82,6 +95,7 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
             "token_ids": res.token_ids, "decode_ms_per_forward": res.decode_s / res.nfe * 1e3,
             "forward_ms": med(forward), "gap_ms": med(gap) if gap else None, "runner_call_host_ms": med(launch),
             "forward_ms_mean": statistics.fmean(forward), "gap_ms_mean": statistics.fmean(gap) if gap else None,
+            "host_ms_per_forward": {name: total / res.nfe * 1e3 for name, total in host_sums.items()},
             **tails}
 
 
@@ -140,6 +154,7 @@ def profile_decode(engine, prompt_ids, params, top: int = 20) -> dict:
         by_name[e.name][1] += 1
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"profiled_forwards": n, "idle_us_per_forward": idle_between(kernels, n, top),
+            "timeline": timeline(kernels),
             "gpu_kernel_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" not in e.name) / n / 1e3,
             "memcpy_ms_per_forward": sum(e.device_time for e in kernels if "Memcpy" in e.name) / n / 1e3,
             "launches_per_forward": len(kernels) / n,
@@ -163,6 +178,23 @@ def idle_between(activities, forwards: int, top: int) -> list[dict]:
             busy_until, last = end, name
     ranked = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"before": a, "after": b, "us": us / forwards, "gaps": c / forwards} for (a, b), (us, c) in ranked]
+
+
+def timeline(activities, limit: int = 1000) -> list[list]:
+    """`limit` GPU activities (about two and a half forwards) from the profile's middle on, in order of start:
+    [start us from the first, duration us, idle us before it (no activity on any stream), name], so that what
+    the GPU waits for between and inside forwards reads in sequence."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in activities)
+    if not spans:
+        return []
+    mid = (spans[0][0] + spans[-1][1]) / 2
+    first = next(i for i, (start, _, _) in enumerate(spans) if start >= mid)
+    busy_until = max(end for _, end, _ in spans[:first]) if first else spans[0][0]
+    t0, out = spans[first][0], []
+    for start, end, name in spans[first: first + limit]:
+        out.append([round(start - t0, 1), round(end - start, 1), round(max(start - busy_until, 0.0), 1), name[:70]])
+        busy_until = max(busy_until, end)
+    return out
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from .kv_cache import KVCache
@@ -90,6 +91,7 @@ class ForwardGraphs:
     def __init__(self, model, manager, backend=None, max_graphs: int = 8, max_seen: int = 4096,
                  segmented: bool = False):
         self.model, self.manager = model, manager
+        self.device = model.embed.weight.device
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_graphs, self.max_seen, self.segmented = max_graphs, max_seen, segmented
         self.graphs: OrderedDict[tuple, _Forward] = OrderedDict()
@@ -109,12 +111,14 @@ class ForwardGraphs:
 
     def __call__(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None,
                  block_length: int | None = None):
+        """ids: on the host (the decoding loop's: a replay copies them to the device with the positions), or on the
+        device."""
         if kv is not self.kv:                     # graphs hold the KV cache's addresses: another cache, none fit
             self.clear()
             self.kv = kv
         if not self.enabled or not self.warmed:
             self.warmed = True
-            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+            return self.model(ids.to(self.device), start, kv, kv_end, rows, block_length=block_length)
         # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key; so is
         # the manager's path (a mapped forward is one segment, an offloaded one of the same shape is not)
         key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step),
@@ -130,13 +134,13 @@ class ForwardGraphs:
             if len(self.seen) >= self.max_seen:
                 self.seen.clear()
             self.seen.add(key)
-            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+            return self.model(ids.to(self.device), start, kv, kv_end, rows, block_length=block_length)
         return self._capture(key, ids, start, kv, kv_end, rows, block_length)
 
     def _capture(self, key, ids, start, kv, kv_end, rows, block_length):
         """Capture the forward segment by segment; each segment is replayed as soon as it is captured, so this
         forward's own result comes out of the graphs (and a host step in between sees real values)."""
-        fwd = _Forward(self.backend, ids, start, kv_end)
+        fwd = _Forward(self.backend, ids, start, kv_end, self.device)
         mark = self.manager.routing_mark()
         try:
             with self.backend.capturing():
@@ -153,7 +157,7 @@ class ForwardGraphs:
             self.manager.take_routing(mark)
             self.enabled = False
             log.warning("CUDA graph capture failed, forwards run eagerly from now on: %s", str(e).splitlines()[0])
-            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+            return self.model(ids.to(self.device), start, kv, kv_end, rows, block_length=block_length)
         finally:
             self.manager.host_boundary = None
         fwd.routing = self.manager.take_routing(mark)   # logged while capturing; handed back after every replay
@@ -208,10 +212,18 @@ class _Forward:
     """One captured forward: segments in order, each followed by the host step that ended it (None for the last),
     and the static inputs they read (token ids, positions, key end), refilled before every replay."""
 
-    def __init__(self, backend, ids, start: int, kv_end: int):
-        self.backend, self.ids = backend, torch.empty_like(ids)
-        self.positions = torch.empty(ids.shape[0], dtype=torch.int64, device=ids.device)
-        self.kv_end = torch.empty((), dtype=torch.int64, device=ids.device)
+    def __init__(self, backend, ids, start: int, kv_end: int, device):
+        T = ids.shape[0]
+        self.backend = backend
+        # the static inputs in one tensor (ids, positions, key end), so that one copy from the host refills them
+        self.inputs = torch.empty(2 * T + 1, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.kv_end = self.inputs[:T], self.inputs[T: 2 * T], self.inputs[2 * T]
+        # two pinned host copies used in turn, each reused once the copy out of it is done (a forward of the same
+        # shape may follow before the host waits on anything, e.g. a long prompt's prefill chunks)
+        cuda = self.inputs.is_cuda
+        self._staging = [torch.empty(2 * T + 1, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._copied: list = [None, None]
+        self._turn = 0
         self.set_inputs(ids, start, kv_end)
         self.segments: list = []
         self.steps: list[_Decide | _Finish | None] = []
@@ -220,9 +232,23 @@ class _Forward:
         self._open = None
 
     def set_inputs(self, ids, start: int, kv_end: int) -> None:
-        self.ids.copy_(ids)
-        torch.arange(start, start + ids.shape[0], out=self.positions)
-        self.kv_end.fill_(kv_end)
+        """ids, positions and the key end written on the host and copied to the device at once (instead of a copy,
+        an arange and a fill, launches the GPU idled between). ids come from the host (the decoding loop's); a
+        device tensor is read back first."""
+        T = self.ids.shape[0]
+        turn = self._turn
+        self._turn ^= 1
+        staging, copied = self._staging[turn], self._copied[turn]
+        if copied is not None:
+            copied.synchronize()
+        host = staging.numpy()
+        host[T: 2 * T] = np.arange(start, start + T)
+        host[2 * T] = kv_end
+        host[:T] = ids.cpu().numpy()
+        self.inputs.copy_(staging, non_blocking=True)
+        if self.inputs.is_cuda:
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
 
     def begin_segment(self) -> None:
         seg = self.backend.new_graph(share_with=self.segments[0] if self.segments else None)

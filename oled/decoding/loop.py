@@ -93,7 +93,7 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
     block_start = block_len = 0      # the block being decoded: its first canvas position and its length
 
     def forward(tokens: np.ndarray, start: int, kv_end: int, rows, kind: str):
-        ids = torch.from_numpy(np.ascontiguousarray(tokens)).to(device)
+        ids = torch.from_numpy(np.ascontiguousarray(tokens))       # the runner moves them (with a replay's inputs)
         info = ForwardInfo(kind=kind, start=start, tokens=len(tokens), block_start=block_start, block_length=block_len)
         if commits is not None:
             commits.begin_forward(info)
@@ -133,9 +133,11 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
                     break
                 logits = mode.block_logits(forward, canvas, ws, be, step)
                 x0, conf = predict(logits, params.temperature, generator)
-                prediction = torch.stack([x0.double(), conf.double()])   # queued before the host's decisions below
-                manager.end_forward()                     # its routing's copy queued before the read-back waits
-                host = prediction.cpu().numpy()
+                # the prediction's copy queued before the expert backend's end of the forward, which may queue the
+                # next forward's waits for expert loads on the stream; its routing's copy before the host waits
+                prediction = runner.read_back(torch.stack([x0.double(), conf.double()]))
+                manager.end_forward()
+                host = prediction.wait()
                 x0_h, conf_h = host[0].astype(np.int64), np.where(masked, host[1], -np.inf)
                 bad = masked & ~np.isfinite(host[1])
                 if bad.any():

@@ -36,6 +36,7 @@ class ModelRunner:
         self.graphs: ForwardGraphs | None = None
         self.kv: KVCache | None = None
         self._stand_in = None                 # the backend of a borrowed() pass, if one is under way
+        self._host_buffers: dict[tuple, torch.Tensor] = {}    # (shape, dtype) -> pinned buffer of read_back
 
     # --------------------------------------------------------------------------------------------- kernels
     def use_kernels(self, kernels: dict[str, bool], model_name: str = "the model") -> None:
@@ -124,15 +125,45 @@ class ModelRunner:
 
     def forward(self, ids: torch.Tensor, start: int, kv: KVCache, kv_end: int, rows: slice | None, *,
                 block_length: int, timer=None):
-        """Tokens `ids` at positions [start, start + len) against keys [0, kv_end); fp32 logits of `rows` (None:
-        the forward only writes the cache). A shape seen before is replayed from its graph, unless a stand-in is
-        in place or sections are timed (the timer needs the eager forward)."""
+        """Tokens `ids` (on the host or the device) at positions [start, start + len) against keys [0, kv_end); fp32
+        logits of `rows` (None: the forward only writes the cache). A shape seen before is replayed from its graph,
+        unless a stand-in is in place or sections are timed (the timer needs the eager forward)."""
+        if self.graphs is not None and self._stand_in is None and timer is None:
+            return self.graphs(ids, start, kv, kv_end, rows, block_length=block_length)
+        ids = ids.to(self.device)
         if timer is not None:
             return self.model(ids, start, kv, kv_end, rows, block_length=block_length, timer=timer)
-        if self.graphs is None or self._stand_in is not None:
-            return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
-        return self.graphs(ids, start, kv, kv_end, rows, block_length=block_length)
+        return self.model(ids, start, kv, kv_end, rows, block_length=block_length)
+
+    def read_back(self, tensor: torch.Tensor) -> "HostCopy":
+        """Queue `tensor`'s copy to the host now (a pinned buffer of its shape, kept), to be taken later with
+        HostCopy.wait(): work queued on the stream in between (the expert backend's, for a later forward) does not
+        delay it, as it would a blocking copy issued after that work. The buffer is reused by the next read_back
+        of the shape: take the values before that."""
+        if self.device.type != "cuda":
+            return HostCopy(tensor.cpu(), None)
+        key = (tuple(tensor.shape), tensor.dtype)
+        buf = self._host_buffers.get(key)
+        if buf is None:
+            buf = self._host_buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buf.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostCopy(buf, done)
 
     def _drop_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
+
+
+class HostCopy:
+    """A device-to-host copy in flight (ModelRunner.read_back)."""
+
+    def __init__(self, host: torch.Tensor, done):
+        self.host, self.done = host, done
+
+    def wait(self):
+        """The copied values as a NumPy array (a view of the pinned buffer)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()
