@@ -26,6 +26,11 @@ rotated), bf16: add_rms_norm against the residual add and RMSNorm, qk_norm_rope 
 (QK-norm, RoPE, the two index copies), combine_pairs against ExpertManager.combine (top-8); each must give the
 reference's bits on NORM_EQUAL_FRACTION of the elements and lie within NORM_MAX_REL of its largest value.
 
+Attention: a chunk of T queries at (start, kv_end) over a KV cache's key_len bucket, ATTENTION_SHAPES, with
+LLaDA2.0-mini's heads and block-causal blocks of 32, bf16: the attention kernel against the torch path it replaces
+(the model's additive mask, scaled_dot_product_attention, the output's transpose for o_proj); the largest error
+within ATTENTION_MAX_REL and the mean within ATTENTION_MEAN_REL of the reference's largest value.
+
 Mapped: a decode step (32 tokens, 32 experts) over a layer whose 256 experts sit both in device slots and in a
 pinned host store, with m of the step's experts missing from the slot map (m in MAPPED_MISSES), so the kernels read
 them from host memory over PCIe: the call's time against m = 0, the mapped bytes' effective GB/s, and the copy
@@ -48,7 +53,7 @@ from types import SimpleNamespace
 
 import torch
 
-CASES = ("router", "confidence", "moe", "norm", "mapped")
+CASES = ("router", "confidence", "moe", "norm", "attention", "mapped")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -66,6 +71,12 @@ NORM_TOKENS = (32, 128)                                # decode chunks: a block,
 HEADS, KV_HEADS, HEAD_DIM, ROTARY = 16, 4, 128, 64     # LLaDA2.0-mini's attention
 # the norm kernels round where torch rounds; only a mean of squares sums in another order
 NORM_EQUAL_FRACTION, NORM_MAX_REL = 0.99, 2**-6
+# (tokens, start, kv_end, key_len): a decode block at ~300 keys in its graph's 512-key bucket, the same late in a
+# long context, a block with its neighbours
+ATTENTION_SHAPES = ((32, 256, 288, 512), (32, 4000, 4032, 4096), (128, 256, 384, 512))
+ATTENTION_BLOCK = 32
+# bf16 in and out, fp32 sums; P rounded to bf16 before P @ V (as flash attention does) where cuDNN may keep more
+ATTENTION_MAX_REL, ATTENTION_MEAN_REL = 2**-6, 2**-9
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,6 +467,46 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
     return out
 
 
+def attention_case(tokens, start, kv_end, key_len, *, device, timer, counter, heads=HEADS, kv_heads=KV_HEADS,
+                   head_dim=HEAD_DIM, block_length=ATTENTION_BLOCK, seed=0) -> dict:
+    import torch.nn.functional as F
+
+    from oled.kernels.triton_attention import attention
+    from oled.models.model import MoEDiffusionLM
+
+    g = torch.Generator(device=device).manual_seed(seed + tokens + key_len)
+    bf = torch.bfloat16
+    q = (2 * torch.randn(tokens, heads, head_dim, device=device, generator=g)).to(bf).transpose(0, 1)
+    k_cache, v_cache = (torch.randn(kv_heads, key_len, head_dim, device=device, generator=g).to(bf) for _ in "kv")
+    positions = torch.arange(start, start + tokens, device=device)
+    end = torch.tensor(kv_end, device=device)
+    model = SimpleNamespace(config=SimpleNamespace(block_causal=True), embed=SimpleNamespace(weight=q))
+
+    def torch_path(q, k_cache, v_cache):
+        mask = MoEDiffusionLM.attention_mask(model, positions, end, key_len, block_length)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0),
+                                             attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1).reshape(tokens, heads * head_dim)
+
+    fused = lambda q, k_cache, v_cache: attention(q, k_cache, v_cache, key_len, positions, end,   # noqa: E731
+                                                  block_length)
+    args = (q, k_cache, v_cache)
+    with torch.no_grad():
+        want, got = torch_path(*args), fused(*args)
+        scale = want.float().abs().max().clamp_min(1e-30)
+        err = (got.float() - want.float()).abs() / scale
+        check = {"max_err_of_max": float(err.max()), "mean_err_of_max": float(err.mean())}
+        check["ok"] = bool(torch.isfinite(got).all()) and check["max_err_of_max"] <= ATTENTION_MAX_REL \
+            and check["mean_err_of_max"] <= ATTENTION_MEAN_REL
+        torch_us, triton_us = timer(torch_path, [args]), timer(fused, [args])
+        # the keys the chunk sees, K and V once: what a pass over them must read
+        kv_bytes = 2 * kv_heads * kv_end * head_dim * k_cache.element_size()
+        return {"case": "attention", "tokens": tokens, "start": start, "kv_end": kv_end, "key_len": key_len,
+                "torch_us": torch_us, "triton_us": triton_us, "speedup": torch_us / triton_us,
+                "kv_gbps": gbps(kv_bytes, triton_us), "torch": counter(torch_path, args),
+                "triton": counter(fused, args), "check": check}
+
+
 def copies_beyond_l2(num_bytes: int, l2_bytes: int) -> int:
     """Enough copies of an input that cycling through them never finds the last one still in L2."""
     return max(1, math.ceil(2 * l2_bytes / num_bytes))
@@ -541,6 +592,9 @@ def main(argv=None) -> int:
                       for m in MAPPED_MISSES]
         if "norm" in args.cases:
             cases += [lambda t=t: norm_case(t, device="cuda", timer=timer, counter=cuda_launches) for t in NORM_TOKENS]
+        if "attention" in args.cases:
+            cases += [lambda shape=shape: attention_case(*shape, device="cuda", timer=timer, counter=cuda_launches)
+                      for shape in ATTENTION_SHAPES]
         for case in cases:
             record = {"bench": "kernels", **case(), "env": env}
             line = json.dumps(record)

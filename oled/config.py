@@ -62,6 +62,8 @@ class EngineConfig:
                                           # RoPE, the KV-cache write)
     fused_mlp: bool | None = None         # the dense MLPs and shared experts: gate|up as one GEMM, SiLU * up fused
     fused_confidence: bool | None = None  # greedy x0 and its probability from the LM head's logits in one pass
+    fused_attention: bool | None = None   # each layer's attention over the KV cache (SDPA and its mask) in one
+                                          # launch, written as o_proj reads it
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

@@ -19,14 +19,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 
 # what each part of a forward launches with --fused
 EVERY_LAYER = Counter({"triton:add_rms_norm_kernel": 2, "linear": 2, "triton:qk_norm_rope_kernel": 1,
-                       "scaled_dot_product_attention": 1})         # two norms, QKV and output GEMMs, prologue
+                       "triton:attention_kernel": 1})       # two norms, QKV and output GEMMs, prologue, attention
 MOE_LAYER = Counter({"to": 1, "matmul": 1,                         # the fp32 gate GEMM's input cast and the GEMM
                      "triton:sigmoid_group_route_kernel": 1, "triton:align_pairs_kernel": 1,
                      "triton:gate_up_kernel": 1, "triton:down_kernel": 1, "triton:combine_kernel": 1,
                      "linear": 2, "triton:silu_mul_kernel": 1})    # the shared expert: gate|up, SiLU * up, down
 DENSE_LAYER = Counter({"linear": 2, "triton:silu_mul_kernel": 1})
-FORWARD = Counter({"embedding": 1, "full": 1, "arange": 2, "lt": 1, "floor_divide": 2, "le": 1, "__and__": 1,
-                   "where": 1,    # the mask, additive: attention would otherwise convert a boolean one per layer
+FORWARD = Counter({"embedding": 1, "full": 1, "arange": 1,       # no mask: the attention kernel computes it
                    "triton:add_rms_norm_kernel": 1, "linear": 1, "to": 1,           # final norm, LM head, fp32 logits
                    "triton:scan_kernel": 1, "_to_copy": 2, "stack": 2,             # confidence; to the host
                    "copy_": 1})                                    # the routing, into a pinned buffer
@@ -35,7 +34,7 @@ FORWARD = Counter({"embedding": 1, "full": 1, "arange": 2, "lt": 1, "floor_divid
 @pytest.fixture(scope="module")
 def kernels():
     mp = interpreted_kernels("kernel_math", "router_kernel", "confidence_kernel", "moe_align_kernel", "moe_kernel",
-                             "norm_kernel", "mlp_kernel")
+                             "norm_kernel", "mlp_kernel", "attention_kernel")
     yield
     mp.undo()
 
@@ -55,7 +54,8 @@ def test_a_fused_forward_launches_exactly_the_listed_kernels(kernels):
     from oled.synth import preset_config
 
     counter = load_counter()
-    assert set(counter.fused_fields()) == {"fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"}
+    assert set(counter.fused_fields()) == {"fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence",
+                                            "fused_attention"}
     runs = {fused: counter.count_forward(counter.fused_fields() if fused else [], gen_length=16)
             for fused in (False, True)}
     counts, forwards = runs[True]

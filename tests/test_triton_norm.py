@@ -229,7 +229,7 @@ def test_the_kernels_are_on_by_default_with_cuda_only_and_follow_the_flags(norm,
     from oled.engine import Engine
     from oled.kernels import triton_support
 
-    names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence")
+    names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence", "fused_attention")
     monkeypatch.setattr(triton_support, "available", lambda: True)
     on_cuda = SimpleNamespace(device=torch.device("cuda"), _check_triton_runs=None)
     assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, True)
@@ -239,8 +239,7 @@ def test_the_kernels_are_on_by_default_with_cuda_only_and_follow_the_flags(norm,
     assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, False)
     monkeypatch.undo()
     plain = oled.LLM(random_weights="tiny", device="cpu", dtype="float32")
-    assert plain.engine.kernels == dict.fromkeys(
-        ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence"), False)
+    assert plain.engine.kernels == dict.fromkeys(names, False)
     assert "Triton kernels: none" in plain.engine.describe()
     picked = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", fused_norm=True)
     assert picked.engine.kernels["fused_norm"] and not picked.engine.kernels["fused_router"]

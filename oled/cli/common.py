@@ -56,6 +56,9 @@ FUSED_HELP = {
                  "kernel",
     "fused_confidence": "greedy decoding's token and confidence from the LM head's logits in one Triton pass, "
                         "without a softmax over the vocabulary",
+    "fused_attention": "each layer's attention over the KV cache as one Triton kernel (which key a query sees "
+                       "computed in it, no mask tensor; the keys past the chunk's end skipped), instead of the mask and "
+                       "torch's scaled_dot_product_attention",
 }
 
 

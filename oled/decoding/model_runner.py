@@ -41,7 +41,7 @@ class ModelRunner:
     # --------------------------------------------------------------------------------------------- kernels
     def use_kernels(self, kernels: dict[str, bool], model_name: str = "the model") -> None:
         """The model's Triton kernels (EngineConfig.fused_*, resolved): the router, the norms with RoPE and the KV
-        write, the dense MLPs and shared experts, the LM head's confidence. The routed experts' kernels are the
+        write, the attention, the dense MLPs and shared experts, the LM head's confidence. The routed experts' kernels are the
         manager's. Graphs captured before hold the old kernels: dropped."""
         if kernels.get("fused_router"):
             if self.config.router != "sigmoid_group":
@@ -50,6 +50,7 @@ class ModelRunner:
             for block in self.model.moe_blocks():
                 block.use_fused_router()
         self.model.use_fused_norm(bool(kernels.get("fused_norm")))
+        self.model.use_fused_attention(bool(kernels.get("fused_attention")))
         if kernels.get("fused_mlp"):
             self.model.use_fused_mlp()
         self.predict = torch_predict

@@ -1,11 +1,23 @@
 """Self-attention with QK-norm, partial rotate-half RoPE, GQA, and a KV cache written in place."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
+
+
+class KeyVisibility(NamedTuple):
+    """Which cached keys each query of a chunk sees, the same for every layer: key j by the query at position p iff
+    j < kv_end and, block-causal, j // block_length <= p // block_length. The torch path reads it as the additive
+    `mask` (MoEDiffusionLM.attention_mask); the fused kernel computes it from kv_end and block_length (mask None)."""
+    mask: torch.Tensor | None       # [T, key_len] or [1, key_len], 0 or -inf
+    kv_end: torch.Tensor            # 0-d, on the device
+    block_length: int | None        # None: not block-causal
 
 
 class Attention(nn.Module):
@@ -25,15 +37,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.fused = False      # the prologue (QK-norm, RoPE, cache write) as one Triton launch (set by the model)
+        self.fused_attention = False    # softmax(QK^T)V over the cache as one Triton launch (set by the model)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, mask):
+    def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, visible: KeyVisibility):
         """x [T, H] at `positions` (a device tensor [T]); cos/sin: the chunk's RoPE rows [T, rotary] (torch path)
         or the tables over every position (fused, self.fused); k_cache/v_cache [kv_heads, max_len, head_dim] of this
         layer.
 
-        Writes this chunk's K/V at its positions and attends over cache[:key_len] under `mask` (additive, 0 or -inf,
-        [T, key_len] or [1, key_len]), which hides the padding past the chunk's last visible key: nothing here
-        depends on where the chunk sits, so a CUDA graph of it serves every chunk of the same shape.
+        Writes this chunk's K/V at its positions and attends over the keys of cache[:key_len] that `visible` shows
+        it, which hides the padding past the chunk's last visible key: nothing here depends on where the chunk
+        sits, so a CUDA graph of it serves every chunk of the same shape.
         """
         T = x.shape[0]
         if hasattr(self, "qkv"):
@@ -56,7 +69,13 @@ class Attention(nn.Module):
             k_cache.index_copy_(1, positions, k.transpose(0, 1))
             v_cache.index_copy_(1, positions, v.transpose(0, 1))
             q = q.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
-            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(T, self.q_dim))
+        if self.fused_attention:
+            from ..kernels.triton_attention import attention
+
+            out = attention(q, k_cache, v_cache, key_len, positions, visible.kv_end, visible.block_length)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
+                attn_mask=visible.mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            out = out.squeeze(0).transpose(0, 1).reshape(T, self.q_dim)
+        return self.o_proj(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, KeyVisibility
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, block_causal_mask, rope_cos_sin
 from .moe import MoEBlock
@@ -19,13 +19,13 @@ class DecoderLayer(nn.Module):
         self.mlp = (SwiGLU(config.hidden_size, config.dense_intermediate_size)
                     if layer_idx < config.num_dense_layers else MoEBlock(config, layer_idx))
 
-    def forward(self, h, residual, cos, sin, k_cache, v_cache, positions, key_len, mask, timer):
+    def forward(self, h, residual, cos, sin, k_cache, v_cache, positions, key_len, visible, timer):
         """h: the previous sublayer's output, not yet added to the residual stream `residual` (None before the
         first layer: h is the embedding). Returns this layer's MLP output and the stream before it, so that each
         residual add is fused with the norm after it."""
         with timer("attention"):
             x, residual = self.attn_norm.add_norm(h, residual)
-            h = self.attn(x, cos, sin, k_cache, v_cache, positions, key_len, mask)
+            h = self.attn(x, cos, sin, k_cache, v_cache, positions, key_len, visible)
         with timer("moe" if isinstance(self.mlp, MoEBlock) else "dense_mlp"):
             x, residual = self.mlp_norm.add_norm(h, residual)
             h = self.mlp(x)
@@ -55,6 +55,7 @@ class MoEDiffusionLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_tables = None         # (cos, sin) over every position, with the fused norms (use_fused_norm)
+        self.fused_attention = False    # attention as one Triton kernel, no mask built (use_fused_attention)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
@@ -79,6 +80,14 @@ class MoEDiffusionLM(nn.Module):
             c, w = self.config, self.embed.weight
             self.rope_tables = rope_cos_sin(torch.arange(c.max_position_embeddings, device=w.device), c.rotary_dim,
                                             c.rope_theta, w.dtype)
+
+    def use_fused_attention(self, on: bool) -> None:
+        """Every layer's attention over the KV cache as one Triton launch that computes which keys each query sees
+        (oled/kernels/triton_attention.py), or as the mask and torch's scaled_dot_product_attention."""
+        self.fused_attention = on
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fused_attention = on
 
     def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
                        block_length: int) -> torch.Tensor:
@@ -117,10 +126,13 @@ class MoEDiffusionLM(nn.Module):
             cos, sin = self.rope_tables
         else:
             cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, self.embed.weight.dtype)
-        mask = self.attention_mask(positions, kv_end, key_len, block_length or self.config.block_length)
+        block_length = block_length or self.config.block_length
+        mask = None if self.fused_attention else self.attention_mask(positions, kv_end, key_len, block_length)
+        visible = KeyVisibility(mask, kv_end, block_length if self.config.block_causal else None)
         h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, mask, timer)
+            h, residual = layer(h, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], positions, key_len, visible,
+                                timer)
         if logits_rows is None:
             return None
         with timer("lm_head"):

@@ -1,0 +1,102 @@
+"""A chunk's attention over the KV cache in one Triton launch: a drop-in for the additive mask
+(MoEDiffusionLM.attention_mask) and F.scaled_dot_product_attention of oled/models/attention.py, with the output's
+transpose and reshape for o_proj (EngineConfig.fused_attention).
+
+- `attention(q, k_cache, v_cache, key_len, positions, kv_end, block_length)`: the queries [heads, T, D] that the
+  prologue writes (or the torch prologue's transposed view) against cache[:key_len], GQA's query heads of one KV
+  head in one program, written straight as [T, heads * D]. Which key each query sees is computed in the kernel from
+  the chunk's positions and kv_end (device tensors, so a CUDA graph replays it with new values) and the block
+  length: no mask tensor. The torch path is the mask (arange, compare, floor divides, and, where: about eight
+  launches a forward), the SDPA (on the H200, cuDNN's: 16 us a layer for 32 queries over ~300 keys, each launch
+  after a memset and ~6.5 us of idle GPU) and the copy of the transpose.
+- The key loop stops at the last key a program's rows see, read at run time, so a graph captured for a large
+  key-length bucket does not pay for the padding past kv_end (SDPA attends over every key of the bucket, masked).
+
+Results are SDPA's up to the fp32 sums' order (keys in tiles, an online softmax) and, in bf16, where the
+probabilities are rounded to bf16 before the second product (as flash attention does): in fp32 they agree to about
+1e-6 (tests/test_triton_attention.py). One difference by design: a query that sees no key (which this engine never
+makes: each query sees its own key) gets zeros, where SDPA gives NaN.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .triton_support import available, check_device, interpreted
+
+__all__ = ["available", "attention"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_len: int, positions: torch.Tensor,
+              kv_end: torch.Tensor, block_length: int | None) -> torch.Tensor:
+    """q [heads, T, D] (any strides, contiguous along D), k_cache/v_cache [kv_heads, max_len, D] (one layout,
+    contiguous along D; heads a multiple of kv_heads), key_len <= max_len, positions [T] int (the queries'),
+    kv_end 0-d int, block_length (None: not block-causal) -> [T, heads * D] in q's dtype:
+    softmax(q k^T / sqrt(D)) v per query head h over the keys of KV head h // (heads // kv_heads) that it sees,
+    key < min(key_len, kv_end) and, block-causal, key // block_length <= position // block_length."""
+    import triton
+
+    from .attention_kernel import attention_kernel as kernel
+
+    if (q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[2]
+            or q.shape[0] % k_cache.shape[0] or positions.shape != (q.shape[1],) or kv_end.dim() != 0):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)} (want [heads, T, D]), caches {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)} (want [kv_heads, max_len, D], heads a multiple of kv_heads), "
+                         f"positions {tuple(positions.shape)} (want [T]), kv_end {tuple(kv_end.shape)} (want 0-d)")
+    if not 0 <= key_len <= k_cache.shape[1] or (block_length is not None and block_length < 1):
+        raise ValueError(f"key_len {key_len} must lie in [0, {k_cache.shape[1]}] and block_length {block_length} be "
+                         "None or >= 1")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q and the caches must share one of float32, bfloat16, float16, got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if positions.dtype.is_floating_point or kv_end.dtype.is_floating_point:
+        raise TypeError(f"positions and kv_end must be integer tensors, got {positions.dtype} and {kv_end.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("q and the caches must be contiguous along head_dim, the K and V caches of one layout")
+    check_device(kernel, q, k_cache, v_cache, positions, kv_end)
+    heads, tokens, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=q.device)
+    if tokens:
+        tiles = _tiles(tokens, group, interpreted(kernel))
+        qk_scale = math.log2(math.e) / math.sqrt(head_dim)            # SDPA's default scale, for exp2
+        kernel[(triton.cdiv(tokens, tiles.block_t), kv_heads)](
+            q, k_cache, v_cache, out, positions, kv_end, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), out.stride(0), tokens, key_len, block_length or 1, qk_scale,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_T=tiles.block_t, BLOCK_G=triton.next_power_of_2(group),
+            BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_CAUSAL=block_length is not None, INTERPRETED=interpreted(kernel), num_warps=tiles.warps,
+            num_stages=tiles.stages)
+    return out
+
+
+class _Tiles(NamedTuple):
+    block_t: int        # tokens of each of the group's query heads: the program's rows are group x block_t
+    block_n: int        # keys a tile
+    warps: int
+    stages: int
+
+
+def _tiles(tokens: int, group: int, interpreting: bool) -> _Tiles:
+    """A program's rows (BLOCK_T tokens of each of the group's heads, at least the 16 rows of a tensor-core tile)
+    and its key tile. Compiled (not yet measured; LLaDA2.0-mini: group 4, head_dim 128): 64 rows for a decode
+    chunk (32 tokens: 2 programs a KV head, 8 in all, each one pass over the ~300 keys in five tiles), 128 rows
+    and 8 warps from 2,048 rows a KV head (a prefill), as Triton's flash-attention tutorial has for head_dim 128.
+    Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and 32 keys still split the
+    tests' chunks and key ranges into several tiles."""
+    import triton
+
+    group_rows = triton.next_power_of_2(group)
+    if interpreting:
+        rows, block_n, warps, stages = 32, 32, 1, 1
+    elif tokens * group >= 2048:
+        rows, block_n, warps, stages = 128, 64, 8, 2
+    else:
+        rows, block_n, warps, stages = 64, 64, 4, 2
+    block_t = min(max(1, rows // group_rows), triton.next_power_of_2(tokens))
+    return _Tiles(max(block_t, triton.cdiv(16, group_rows)), block_n, warps, stages)

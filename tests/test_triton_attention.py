@@ -1,0 +1,152 @@
+"""The attention kernel (oled/kernels/triton_attention.py) on the CPU through Triton's interpreter, against what it
+replaces: the model's additive mask (MoEDiffusionLM.attention_mask) and torch's scaled_dot_product_attention with
+the output transposed for o_proj; and the engine's tokens unchanged with --fused-attention."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oled.models.model import MoEDiffusionLM
+from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+
+triton = import_triton_for_the_interpreter()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    mp = interpreted_kernels("kernel_math", "attention_kernel")
+    from oled.kernels import attention_kernel, triton_attention, triton_support
+
+    assert triton_support.interpreted(attention_kernel.attention_kernel)
+    yield triton_attention.attention
+    mp.undo()
+
+
+def _reference(q, k_cache, v_cache, key_len, positions, kv_end, block_length):
+    """Attention.forward's torch path: the model's mask, SDPA over cache[:key_len], [T, heads * D]."""
+    heads, T, D = q.shape
+    model = SimpleNamespace(config=SimpleNamespace(block_causal=block_length is not None),
+                            embed=SimpleNamespace(weight=torch.empty(0, dtype=q.dtype)))
+    mask = MoEDiffusionLM.attention_mask(model, positions, kv_end, key_len, block_length or 1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0),
+                                         v_cache[:, :key_len].unsqueeze(0), attn_mask=mask,
+                                         enable_gqa=heads != k_cache.shape[0])
+    return out.squeeze(0).transpose(0, 1).reshape(T, heads * D)
+
+
+def _case(heads, kv_heads, D, T, start, max_len, dtype, seed):
+    """Queries as the prologue leaves them (a transposed [T, heads, D] view), caches of max_len positions."""
+    g = torch.Generator().manual_seed(seed)
+    q = (2 * torch.randn(T, heads, D, generator=g)).to(dtype).transpose(0, 1)
+    k_cache = torch.randn(kv_heads, max_len, D, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, max_len, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, torch.arange(start, start + T)
+
+
+# (heads, kv_heads, head_dim, tokens, start, kv_end, key_len, block_length): decode chunks at the cache's end and
+# inside it, keys past kv_end (a graph's bucket padding), GQA groups of 1 to 4 (3: a group that fills part of its
+# power of two), a head_dim narrower than its block (24), a single token, a prefill-like chunk, not block-causal
+CASES = [(4, 1, 16, 8, 40, 48, 64, 8), (4, 2, 32, 5, 11, 16, 40, 4), (2, 2, 24, 1, 70, 71, 71, 16),
+         (3, 1, 16, 12, 0, 12, 12, 4), (4, 2, 16, 6, 20, 26, 48, None), (8, 2, 64, 33, 0, 33, 96, 32)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,D,T,start,kv_end,key_len,block_length", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_equals_the_mask_and_sdpa(kernel, heads, kv_heads, D, T, start, kv_end, key_len, block_length,
+                                            dtype):
+    q, k_cache, v_cache, positions = _case(heads, kv_heads, D, T, start, key_len + 8, dtype, seed=T * D + heads)
+    end = torch.tensor(kv_end)
+    out = kernel(q, k_cache, v_cache, key_len, positions, end, block_length)
+    ref = _reference(q.float(), k_cache.float(), v_cache.float(), key_len, positions, end, block_length)
+    assert out.dtype == dtype and out.shape == (T, heads * D)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    else:
+        # bf16 inputs, fp32 sums; the probabilities rounded to bf16 before P @ V and the output to bf16: a few ulps
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        assert (out.float() - ref).abs().mean() < 4e-3
+        ref_bf16 = _reference(q, k_cache, v_cache, key_len, positions, end, block_length)
+        torch.testing.assert_close(out.float(), ref_bf16.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_the_keys_past_kv_end_are_never_read(kernel):
+    """NaN in the cache past kv_end (a bucket's padding, stale positions) leaves the output untouched, and a new
+    kv_end in the same tensor (a graph's replay) moves the visible range. (SDPA's output is NaN there: it multiplies
+    the masked keys' zero probabilities by their values.)"""
+    q, k_cache, v_cache, positions = _case(4, 2, 16, 4, 20, 64, torch.float32, seed=3)
+    end = torch.tensor(24)
+    clean = kernel(q, k_cache, v_cache, 64, positions, end, 4)
+    before = _reference(q, k_cache, v_cache, 64, positions, torch.tensor(20), None)
+    k_cache[:, 24:], v_cache[:, 24:] = float("nan"), float("nan")
+    assert torch.equal(kernel(q, k_cache, v_cache, 64, positions, end, 4), clean)
+    end.fill_(20)                                      # the chunk sees only the keys before it: its own are hidden
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, 64, positions, end, None), before, rtol=2e-6, atol=2e-6)
+
+
+def test_a_query_that_sees_no_key_gets_zeros(kernel):
+    q, k_cache, v_cache, positions = _case(2, 1, 16, 3, 0, 16, torch.float32, seed=5)
+    out = kernel(q, k_cache, v_cache, 16, positions, torch.tensor(0), 4)
+    assert torch.equal(out, torch.zeros(3, 32))
+
+
+def test_attention_refuses_what_it_cannot_run(kernel):
+    q, k_cache, v_cache, positions = _case(4, 2, 16, 4, 0, 16, torch.float32, seed=7)
+    end = torch.tensor(4)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        kernel(q, k_cache[:1], v_cache, 16, positions, end, 4)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        kernel(q[:3], k_cache, v_cache, 16, positions, end, 4)          # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="key_len"):
+        kernel(q, k_cache, v_cache, 17, positions, end, 4)
+    with pytest.raises(TypeError, match="share one of"):
+        kernel(q.to(torch.bfloat16), k_cache, v_cache, 16, positions, end, 4)
+    with pytest.raises(TypeError, match="integer"):
+        kernel(q, k_cache, v_cache, 16, positions.float(), end, 4)
+
+
+@pytest.mark.parametrize("preset,policy,budget", [("tiny", "full", "1.0"), ("tiny", "oled", "0.5"),
+                                                  ("tiny-lladamoe", "lru", "0.5")])
+def test_fused_attention_in_the_engine_gives_the_same_tokens(kernel, monkeypatch, preset, policy, budget):
+    """--fused-attention: every layer's attention runs the kernel and no mask is built; the tokens are those of the
+    mask and SDPA (fp32, random tiny models of both architectures: block-causal and not, offloaded budgets)."""
+    import oled
+    from oled.decoding.params import DecodeParams
+    from oled.kernels import triton_attention
+
+    calls = []
+    monkeypatch.setattr(triton_attention, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    masks = []
+    build = MoEDiffusionLM.attention_mask
+    monkeypatch.setattr(MoEDiffusionLM, "attention_mask", lambda *a, **kw: masks.append(1) or build(*a, **kw))
+    tokens = {}
+    for fused in (False, True):
+        calls.clear()
+        masks.clear()
+        llm = oled.LLM(random_weights=preset, device="cpu", dtype="float32", policy=policy, expert_budget=budget,
+                       fused_attention=fused)
+        res = llm.engine.generate_ids(llm.tokenizer.encode("def fib(n):\n"), DecodeParams(gen_length=16,
+                                                                                           block_length=8))
+        tokens[fused] = res.token_ids
+        forwards = res.nfe + res.cache_forwards
+        assert len(calls) == (forwards * llm.engine.config.num_layers if fused else 0)
+        assert len(masks) == (0 if fused else forwards)
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 16
+
+
+def test_the_benchmarks_attention_case_runs_under_the_interpreter(kernel):
+    """benchmarks/kernels_bench.py's attention case end to end on small heads, with stand-ins for the CUDA timer and
+    the launch counter: its reference, check and record work before the H200 sees them."""
+    from collections import Counter
+
+    from tests.test_kernels_bench import load_bench
+
+    bench = load_bench()
+    timer = lambda fn, inputs: [fn(*a) for a in inputs] and 10.0                       # noqa: E731
+    counter = lambda fn, args: bench.per_call(Counter({"kernel": 1}), Counter(), calls=1)   # noqa: E731
+    record = bench.attention_case(8, 24, 32, 48, device="cpu", timer=timer, counter=counter, heads=4, kv_heads=2,
+                                  head_dim=16, block_length=8)
+    assert record["check"]["ok"], record
+    assert record["speedup"] == 1.0 and set(record["torch"]) == set(record["triton"])
