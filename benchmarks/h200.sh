@@ -14,7 +14,8 @@
 #   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with torch's kernels (--no-fused) and with FUSED_FLAG
 #          (default --fused: every Triton kernel), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
-#          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given)
+#          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given; the
+#          attention kernel at ATTENTION_TILES' configurations, e.g. "rows=16 rows=64,block_n=32", when given)
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
 #          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's);
@@ -158,7 +159,8 @@ fi
 if has kernels; then
   tiles=""; for t in ${KERNEL_TILES:-}; do
     tiles="$tiles --moe-tiles $t"; done
-  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py ${KERNELS_CASES:+--cases $KERNELS_CASES} \
+  attn=""; for t in ${ATTENTION_TILES:-}; do attn="$attn --attention-tiles $t"; done
+  timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py ${KERNELS_CASES:+--cases $KERNELS_CASES} $attn \
     --out $R/kernels.jsonl > $R/kernels.log 2>&1
   echo "kernels rc=$?"; tail -40 $R/kernels.log
   if [ -n "${KERNEL_TILES:-}" ]; then

@@ -56,7 +56,7 @@ class EngineConfig:
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device
     # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (BENCHMARKS.md section 17).
-    fused_router: bool | None = None      # LLaDA2's routing (sigmoid, bias, group limit, top-k) after the gate GEMM
+    fused_router: bool | None = None      # LLaDA2's gate GEMM and routing (sigmoid, bias, group limit, top-k)
     fused_moe: bool | None = None         # the routed experts over the slot pool and their weighted combine
     fused_norm: bool | None = None        # each RMSNorm with its residual add; the attention prologue (QK-norm,
                                           # RoPE, the KV-cache write)

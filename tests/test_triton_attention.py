@@ -72,6 +72,31 @@ def test_attention_equals_the_mask_and_sdpa(kernel, heads, kv_heads, D, T, start
         torch.testing.assert_close(out.float(), ref_bf16.float(), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("rows,block_n", [(16, 16), (16, 64), (64, 32), (128, 64)])
+def test_any_tiles_give_the_reference(kernel, rows, block_n):
+    """The compiled defaults differ from the interpreter's (programs of 16 rows for a decode chunk, 128 for a
+    prefill): whatever the rows a program takes and the keys a tile holds, the result is the mask and SDPA's, a
+    group of 3 heads filling part of its power of two and a chunk that spans two blocks included."""
+    from oled.kernels.triton_attention import AttentionTiles
+
+    q, k_cache, v_cache, positions = _case(6, 2, 32, 12, 26, 48, torch.float32, seed=rows + block_n)
+    end = torch.tensor(38)
+    tiles = AttentionTiles(rows=rows, block_n=block_n, warps=1, stages=1)
+    out = kernel(q, k_cache, v_cache, 40, positions, end, 8, tiles=tiles)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, 40, positions, end, 8), rtol=2e-6, atol=2e-6)
+
+
+def test_the_compiled_tiles_give_a_decode_chunk_many_programs():
+    """LLaDA2.0-mini's decode chunk (32 tokens x 4 query heads a KV head) in programs of 16 rows: 8 a KV head, each
+    4 tokens of the group's 4 heads; a prefill of 2,048 rows a KV head in programs of 128."""
+    from oled.kernels.triton_attention import _block_t, default_tiles
+
+    decode = default_tiles(32 * 4, interpreting=False)
+    assert (decode.rows, _block_t(decode.rows, 32, 4)) == (16, 4)
+    assert default_tiles(512 * 4, interpreting=False).rows == 128
+    assert _block_t(16, 32, 3) == 4 and _block_t(16, 2, 1) == 16 and _block_t(128, 3, 4) == 4
+
+
 def test_the_keys_past_kv_end_are_never_read(kernel):
     """NaN in the cache past kv_end (a bucket's padding, stale positions) leaves the output untouched, and a new
     kv_end in the same tensor (a graph's replay) moves the visible range. (SDPA's output is NaN there: it multiplies
@@ -146,7 +171,10 @@ def test_the_benchmarks_attention_case_runs_under_the_interpreter(kernel):
     bench = load_bench()
     timer = lambda fn, inputs: [fn(*a) for a in inputs] and 10.0                       # noqa: E731
     counter = lambda fn, args: bench.per_call(Counter({"kernel": 1}), Counter(), calls=1)   # noqa: E731
+    graph_timer = lambda fn, args: fn(*args) is not None and 5.0                        # noqa: E731
     record = bench.attention_case(8, 24, 32, 48, device="cpu", timer=timer, counter=counter, heads=4, kv_heads=2,
-                                  head_dim=16, block_length=8)
+                                  head_dim=16, block_length=8, graph_timer=graph_timer)
     assert record["check"]["ok"], record
     assert record["speedup"] == 1.0 and set(record["torch"]) == set(record["triton"])
+    assert record["torch_graph_us"] == record["triton_graph_us"] == 5.0 and record["tiles"] == "default"
+    assert record["kv_gbps"] == pytest.approx(2 * 2 * 32 * 16 * 2 / 5e-6 / 1e9)      # K and V up to kv_end, bf16

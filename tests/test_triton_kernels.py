@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from oled.decoding.rules import predict as predict_reference
+from oled.models.router import decision_gaps
 from oled.models.router import sigmoid_group_route as route_reference
 from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
 
@@ -53,25 +54,6 @@ def k():
 # every decision (the k-th/k+1-th group, each adjacent pair of the top k+1 experts) at least this far apart, which
 # any correctly rounded-ish sigmoid orders the same (8 ulps at 1.0). About 1 row in 2,000 is redrawn.
 MIN_GAP = 1e-6
-
-
-def decision_gaps(logits, bias, n_group, topk_group, top_k):
-    """Per row, the smallest gap between two values whose order decides the reference's routing."""
-    choice = torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
-    rows, experts = choice.shape
-    gap = torch.full((rows,), math.inf)
-    if n_group > 1:
-        groups = choice.view(rows, n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
-        if topk_group < n_group:
-            g = groups.topk(topk_group + 1, dim=-1).values
-            gap = g[:, -2] - g[:, -1]
-        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(experts // n_group, dim=1), -math.inf)
-    candidates = min(top_k + 1, int(torch.isfinite(choice[0]).sum()))
-    v = choice.topk(candidates, dim=-1).values
-    if candidates > 1:
-        gap = torch.minimum(gap, (v[:, :-1] - v[:, 1:]).min(dim=-1).values)
-    return gap
 
 
 def routing_case(tokens, experts, n_group, topk_group, top_k, bias_dtype=torch.float32, seed=0, hidden=64,
@@ -158,6 +140,37 @@ def test_router_ties_go_to_the_lowest_index(k):
     # the reference picks some order among ties; the kernel's choice is an equally valid top-k of the same values
     ref_ids, _ = route_reference(twins, torch.eye(8), None, top_k=4, n_group=1, topk_group=1, **kw)
     assert torch.equal(twins.gather(1, ids), twins.gather(1, ref_ids))
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,x_dtype,w_dtype", [
+    (1, 8, 16, torch.float32, torch.float32),         # one step of the hidden dimension, one split
+    (37, 64, 100, torch.bfloat16, torch.bfloat16),    # ragged everywhere: tokens, and the last split's steps
+    (33, 256, 256, torch.bfloat16, torch.float32),    # mixed operands: both widened
+    (16, 24, 48, torch.float16, torch.float16)])
+def test_gate_partials_add_up_to_the_reference_logits(k, tokens, experts, hidden, x_dtype, w_dtype):
+    """The gate kernel's partial sums over ranges of the hidden dimension, added in order as the routing kernel
+    adds them, are the reference's fp32 logits (x.float() @ w.float().t()) up to the sums' order."""
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(x_dtype)
+    w = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(w_dtype)
+    parts = k.router.gate_partials(x, w)
+    assert parts.dtype == torch.float32 and parts.shape == (math.ceil(hidden / 32), tokens, experts)
+    got = parts[0].clone()
+    for part in parts[1:]:
+        got += part
+    torch.testing.assert_close(got, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_gate_partials_read_strided_rows_and_refuse_bad_operands(k):
+    x = torch.randn(5, 80)
+    w = torch.randn(16, 64)
+    parts = k.router.gate_partials(x[:, :64], w)                      # rows 80 apart
+    torch.testing.assert_close(parts.sum(0), x[:, :64] @ w.t(), rtol=1e-5, atol=1e-5)
+    assert k.router.gate_partials(torch.zeros(0, 64), w).shape == (2, 0, 16)
+    with pytest.raises(ValueError, match="share H"):
+        k.router.gate_partials(x, w)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        k.router.gate_partials(x[:, :64].double(), w)
 
 
 def test_router_empty_batch(k):
@@ -323,7 +336,7 @@ COMPILE_SM90 = textwrap.dedent("""
     from oled.kernels.moe_kernel import combine_kernel as moe_combine_kernel
     from oled.kernels.moe_kernel import down_kernel, gate_up_kernel
     from oled.kernels.norm_kernel import add_rms_norm_kernel, qk_norm_rope_kernel
-    from oled.kernels.router_kernel import sigmoid_group_route_kernel
+    from oled.kernels.router_kernel import gate_partials_kernel, sigmoid_group_route_kernel
 
     def build(fn, signature, constexprs, num_warps, aligned=()):
         # `aligned`: the arguments Triton's launcher would mark divisible by 16 for the shapes that matter
@@ -334,11 +347,21 @@ COMPILE_SM90 = textwrap.dedent("""
 
     router = build(sigmoid_group_route_kernel,
         {"logits_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "num_tokens": "i32",
-         "logits_row_stride": "i32", "routed_scaling_factor": "fp32"},
+         "logits_row_stride": "i32", "split_stride": "i32", "routed_scaling_factor": "fp32"},
         {"N_GROUP": 8, "GROUP_SIZE": 32, "TOPK_GROUP": 4, "TOP_K": 8, "BLOCK_T": 1, "BLOCK_G": 8, "BLOCK_S": 32,
-         "BLOCK_K": 8, "HAS_BIAS": True, "NORMALISE": True, "PRECISE": True}, 1)
+         "BLOCK_K": 8, "HAS_BIAS": True, "NORMALISE": True, "PRECISE": True, "SPLITS": 16}, 1)
     assert "div.rn.f32" in router["ptx"] and "div.full" not in router["ptx"], "sigmoid must divide like torch"
     assert router["cubin"]
+    # the gate GEMM of a decode step (oled/kernels/triton_router.py's compiled tiles): bf16 operands on the tensor
+    # cores with fp32 accumulators, fp32 ones as FMAs (no TF32)
+    gate_args = {"hidden_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp32", "num_tokens": "i32",
+                 "num_experts": "i32", "hidden_size": "i32", "hidden_row_stride": "i32", "weight_row_stride": "i32",
+                 "split_stride": "i32"}
+    gate_tiles = {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "K_PER_SPLIT": 128}
+    gate = build(gate_partials_kernel, gate_args, dict(gate_tiles, WIDEN=False), 4)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in gate["ptx"] and gate["cubin"]
+    gate = build(gate_partials_kernel, dict(gate_args, weight_ptr="*fp32"), dict(gate_tiles, WIDEN=True), 4)
+    assert "mma" not in gate["ptx"] and "tf32" not in gate["ptx"] and gate["cubin"]
     parts = {"logits_ptr": "*fp32", "x0_ptr": "*i64", "prob_ptr": "*fp32", "part_max_ptr": "*fp32",
              "part_sum_ptr": "*fp32", "part_at_ptr": "*i32", "part_bad_ptr": "*i32"}
     for split in (False, True):
@@ -448,8 +471,12 @@ def test_bench_cases_run_under_the_interpreter(k):
     bench = load_bench()
     timer = lambda fn, inputs: [fn(*a) for a in inputs] and 10.0                       # noqa: E731
     counter = lambda fn, args: bench.per_call(Counter({"kernel": 2}), Counter(), calls=2)   # noqa: E731
-    router = bench.router_case(9, device="cpu", timer=timer, counter=counter, hidden=32, experts=64)
+    graph_timer = lambda fn, args: fn(*args) is not None and 5.0                        # noqa: E731
+    router = bench.router_case(9, device="cpu", timer=timer, counter=counter, hidden=32, experts=64,
+                               graph_timer=graph_timer)
     assert router["check"]["ok"] and router["check"]["rows"] == 9 and router["speedup"] == 1.0
+    assert router["check"]["near_tie_rows"] == router["check"]["mismatched_rows"] == 0
+    assert router["torch_graph_us"] == router["triton_graph_us"] == router["gate_gemm_graph_us"] == 5.0
     conf = bench.confidence_case(9, device="cpu", timer=timer, counter=counter, vocab=3000, copies=2)
     assert conf["check"]["ok"] and conf["check"]["non_finite"]["ok"]
     assert conf["bytes"] == 9 * 3000 * 4 and conf["triton_gbps"] == pytest.approx(conf["bytes"] / 10e-6 / 1e9)
@@ -467,9 +494,8 @@ def test_fused_router_in_the_engine_gives_the_same_tokens_and_routing(k, monkeyp
     from oled.decoding.params import DecodeParams
 
     launches = []
-    kernel_route = k.router.sigmoid_group_route_logits
-    monkeypatch.setattr(k.router, "sigmoid_group_route_logits",
-                        lambda *a, **kw: launches.append(1) or kernel_route(*a, **kw))
+    kernel_gate = k.router.gate_partials
+    monkeypatch.setattr(k.router, "gate_partials", lambda *a, **kw: launches.append(1) or kernel_gate(*a, **kw))
     runs = {}
     for fused in (False, True):
         llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="lru", expert_budget="0.5",
@@ -481,7 +507,7 @@ def test_fused_router_in_the_engine_gives_the_same_tokens_and_routing(k, monkeyp
                                        for r in llm.engine.manager.stats.to_rows()])
     assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 16
     assert runs[True][1] == runs[False][1]
-    assert len(launches) == len(runs[True][1])          # one kernel per MoE layer per forward, only when fused
+    assert len(launches) == len(runs[True][1])          # one gate per MoE layer per forward, only when fused
 
 
 def test_fused_router_refuses_a_softmax_router(k):

@@ -45,8 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 FUSED_HELP = {
-    "fused_router": "LLaDA2's routing (sigmoid, bias, group limit, top-k, weights) as one Triton kernel after the "
-                    "gate GEMM: the same ids and weights in fewer launches",
+    "fused_router": "LLaDA2's gate GEMM (fp32 sums of exact products) and routing (sigmoid, bias, group limit, "
+                    "top-k, weights) as two Triton kernels: torch's ids and weights up to the sums' order, in fewer "
+                    "launches",
     "fused_moe": "the routed experts as Triton kernels over the GPU slot pool (pairs aligned to experts on the "
                  "device, gate|up then down, written straight to each pair's row) and their weighted combine, "
                  "instead of torch's grouped GEMMs",

@@ -25,13 +25,14 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 @triton.jit
 def sigmoid_group_route_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr,
-    num_tokens, logits_row_stride, routed_scaling_factor,
+    num_tokens, logits_row_stride, split_stride, routed_scaling_factor,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PRECISE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PRECISE: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """logits [T, N_GROUP * GROUP_SIZE] fp32 -> ids [T, TOP_K] int64, weights [T, TOP_K] fp32, BLOCK_T rows a
-    program.
+    program. With SPLITS > 1 the logits are the sum of SPLITS partial matrices split_stride apart (the gate GEMM's
+    ranges of the hidden dimension, gate_partials_kernel), added in order: the same sum on every call.
 
     Rows are held as [token, group, expert-in-group] tiles, so group reductions run along axis 2 and whole-row
     reductions along axes 2 then 1. Every selection is max-then-lowest-index: among equal values the lowest
@@ -44,8 +45,11 @@ def sigmoid_group_route_kernel(
     expert = group * GROUP_SIZE + member                         # flat expert index, [1, BLOCK_G, BLOCK_S]
     no_expert = N_GROUP * GROUP_SIZE                             # index sentinel above every real expert
 
-    logits = tl.load(logits_ptr + token * logits_row_stride + expert, mask=in_row & (token < num_tokens),
-                     other=0.0)
+    here = logits_ptr + token * logits_row_stride + expert
+    loaded = in_row & (token < num_tokens)
+    logits = tl.load(here, mask=loaded, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        logits += tl.load(here + split * split_stride, mask=loaded, other=0.0)
     scores = _sigmoid(logits, PRECISE)
     choice = scores
     if HAS_BIAS:
@@ -88,3 +92,46 @@ def sigmoid_group_route_kernel(
     done = (row < num_tokens) & (slot < TOP_K)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=done)
     tl.store(weights_ptr + out, weights, mask=done)
+
+
+@triton.jit
+def _dot(a, b, acc, WIDEN: tl.constexpr):
+    """acc + a @ b with fp32 accumulation and exact products: two bf16 (or two fp16) operands as they are (their
+    product fits in fp32) on the tensor cores; with WIDEN both widened to fp32 and multiplied as IEEE FMAs (never
+    TF32): for an fp32 or mixed pair, and under the interpreter, whose dot multiplies bf16 as raw uint16."""
+    if WIDEN:       # (an `else`: Triton compiles what follows a constexpr-true `if ... return` as well)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def gate_partials_kernel(
+    hidden_ptr, weight_ptr, out_ptr,
+    num_tokens, num_experts, hidden_size, hidden_row_stride, weight_row_stride, split_stride,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """LLaDA2's gate logits in fp32, in partial sums: grid (token blocks, expert blocks, splits); program (t, e, s)
+    writes out[s, tokens, experts] = hidden[tokens, K_s] @ weight[experts, K_s]^T (_dot: WIDEN for fp32 or mixed
+    operands, and under the interpreter) over the s-th range K_s of
+    K_PER_SPLIT hidden dims (the last one cut at hidden_size), walking it BLOCK_K at a time. The route kernel adds
+    the splits. A 32-token decode step is one block of tokens, so the splits are what spread the 2,048-wide
+    reduction over enough programs to read the weight at bandwidth."""
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    expert = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    first = tl.program_id(2) * K_PER_SPLIT
+    token_ok, expert_ok = token < num_tokens, expert < num_experts
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for offset in tl.static_range(0, K_PER_SPLIT, BLOCK_K):
+        k = first + offset + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden_size
+        x = tl.load(hidden_ptr + token.to(tl.int64)[:, None] * hidden_row_stride + k[None, :],
+                    mask=token_ok[:, None] & k_ok[None, :], other=0.0)                   # [BLOCK_T, BLOCK_K]
+        w = tl.load(weight_ptr + expert.to(tl.int64)[None, :] * weight_row_stride + k[:, None],
+                    mask=expert_ok[None, :] & k_ok[:, None], other=0.0)                  # [BLOCK_K, BLOCK_E]
+        acc = _dot(x, w, acc, WIDEN)
+    out = out_ptr + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(out + token.to(tl.int64)[:, None] * num_experts + expert[None, :], acc,
+             mask=token_ok[:, None] & expert_ok[None, :])

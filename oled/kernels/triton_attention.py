@@ -26,18 +26,20 @@ import torch
 
 from .triton_support import available, check_device, interpreted
 
-__all__ = ["available", "attention"]
+__all__ = ["AttentionTiles", "available", "attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_len: int, positions: torch.Tensor,
-              kv_end: torch.Tensor, block_length: int | None) -> torch.Tensor:
+              kv_end: torch.Tensor, block_length: int | None, tiles: "AttentionTiles | None" = None) -> torch.Tensor:
     """q [heads, T, D] (any strides, contiguous along D), k_cache/v_cache [kv_heads, max_len, D] (one layout,
     contiguous along D; heads a multiple of kv_heads), key_len <= max_len, positions [T] int (the queries'),
     kv_end 0-d int, block_length (None: not block-causal) -> [T, heads * D] in q's dtype:
     softmax(q k^T / sqrt(D)) v per query head h over the keys of KV head h // (heads // kv_heads) that it sees,
-    key < min(key_len, kv_end) and, block-causal, key // block_length <= position // block_length."""
+    key < min(key_len, kv_end) and, block-causal, key // block_length <= position // block_length. tiles: the
+    program's rows and key tile (None: default_tiles; benchmarks/kernels_bench.py --attention-tiles measures
+    others)."""
     import triton
 
     from .attention_kernel import attention_kernel as kernel
@@ -63,40 +65,45 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key
     group = heads // kv_heads
     out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=q.device)
     if tokens:
-        tiles = _tiles(tokens, group, interpreted(kernel))
+        tiles = tiles or default_tiles(tokens * group, interpreted(kernel))
+        block_t = _block_t(tiles.rows, tokens, group)
         qk_scale = math.log2(math.e) / math.sqrt(head_dim)            # SDPA's default scale, for exp2
-        kernel[(triton.cdiv(tokens, tiles.block_t), kv_heads)](
+        kernel[(triton.cdiv(tokens, block_t), kv_heads)](
             q, k_cache, v_cache, out, positions, kv_end, q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), out.stride(0), tokens, key_len, block_length or 1, qk_scale,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_T=tiles.block_t, BLOCK_G=triton.next_power_of_2(group),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_G=triton.next_power_of_2(group),
             BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_CAUSAL=block_length is not None, INTERPRETED=interpreted(kernel), num_warps=tiles.warps,
             num_stages=tiles.stages)
     return out
 
 
-class _Tiles(NamedTuple):
-    block_t: int        # tokens of each of the group's query heads: the program's rows are group x block_t
+class AttentionTiles(NamedTuple):
+    rows: int           # a program's query rows: BLOCK_T tokens of each of the group's heads (at least 16 in all)
     block_n: int        # keys a tile
     warps: int
     stages: int
 
 
-def _tiles(tokens: int, group: int, interpreting: bool) -> _Tiles:
-    """A program's rows (BLOCK_T tokens of each of the group's heads, at least the 16 rows of a tensor-core tile)
-    and its key tile. Compiled (not yet measured; LLaDA2.0-mini: group 4, head_dim 128): 64 rows for a decode
-    chunk (32 tokens: 2 programs a KV head, 8 in all, each one pass over the ~300 keys in five tiles), 128 rows
-    and 8 warps from 2,048 rows a KV head (a prefill), as Triton's flash-attention tutorial has for head_dim 128.
-    Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and 32 keys still split the
-    tests' chunks and key ranges into several tiles."""
+def default_tiles(rows: int, interpreting: bool) -> AttentionTiles:
+    """The tiles for a chunk of `rows` query rows a KV head (tokens x group). Compiled: a decode chunk (LLaDA2.0-mini:
+    32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, each one pass over its ~300 keys in tiles
+    of 64 (the pass is latency-bound: programs of 64 rows, 8 in all, took 13 us a layer on the H200, BENCHMARKS.md
+    section 24); 128 rows and 8 warps from 2,048 rows a KV head (a prefill), as Triton's flash-attention tutorial
+    has for head_dim 128. Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and 32 keys
+    still split the tests' chunks and key ranges into several tiles."""
+    if interpreting:
+        return AttentionTiles(rows=32, block_n=32, warps=1, stages=1)
+    if rows >= 2048:
+        return AttentionTiles(rows=128, block_n=64, warps=8, stages=2)
+    return AttentionTiles(rows=16, block_n=64, warps=4, stages=2)
+
+
+def _block_t(rows: int, tokens: int, group: int) -> int:
+    """Tokens a program takes: `rows` over the group's power of two, at most the chunk's, and enough for the 16 rows
+    of a tensor-core tile."""
     import triton
 
     group_rows = triton.next_power_of_2(group)
-    if interpreting:
-        rows, block_n, warps, stages = 32, 32, 1, 1
-    elif tokens * group >= 2048:
-        rows, block_n, warps, stages = 128, 64, 8, 2
-    else:
-        rows, block_n, warps, stages = 64, 64, 4, 2
     block_t = min(max(1, rows // group_rows), triton.next_power_of_2(tokens))
-    return _Tiles(max(block_t, triton.cdiv(16, group_rows)), block_n, warps, stages)
+    return max(block_t, triton.cdiv(16, group_rows))

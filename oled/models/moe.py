@@ -25,19 +25,16 @@ class MoEBlock(nn.Module):
         # Set for a trace replay (oled/trace/source.py): routing(layer_idx, ids, weights) -> the recorded routing,
         # which replaces the router's; predicted(layer_idx, x) -> the recorded prediction of this layer's routing.
         self.routing_source = None
-        self.fused_router = False      # set by use_fused_router (EngineConfig.fused_router): the Triton router kernel
-        self.gate_weight = None        # with it: the router weight in fp32, cast once for the fp32 gate GEMM
+        self.fused_router = False      # set by use_fused_router (EngineConfig.fused_router): the Triton router kernels
 
     def use_fused_router(self) -> None:
-        """Route with the Triton kernel, and keep the fp32 copy of the router weight that LLaDA2's gate GEMM reads
-        (the same values the per-call cast makes; no copy when the model is fp32)."""
+        """Route with the Triton kernels: the gate GEMM reads the router weight as stored (its exact products in
+        fp32, as the reference's cast to fp32 gives them) and the routing kernel the logits."""
         self.fused_router = True
-        self.gate_weight = self.router_weight.detach().float()
 
     def route(self, x: torch.Tensor):
         """The router itself."""
-        weight = self.router_weight if self.gate_weight is None else self.gate_weight
-        return route(self.config, x, weight, self.expert_bias, fused=self.fused_router)
+        return route(self.config, x, self.router_weight, self.expert_bias, fused=self.fused_router)
 
     def routing(self, x: torch.Tensor):
         """The routing the layer uses: the router's, or the replayed trace's (the router still runs: its cost)."""

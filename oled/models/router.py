@@ -9,12 +9,14 @@ In fp32 every step is fp32 and the two descriptions coincide.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 
 def gate_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """LLaDA2's gate logits [T, E], in fp32 (the fused router computes them the same way, op for op)."""
+    """LLaDA2's gate logits [T, E], in fp32 (the fused router's gate kernel: the same products, its own sum order)."""
     return hidden.float() @ weight.float().t()
 
 
@@ -52,6 +54,30 @@ def sigmoid_group_route(
     return ids, weights * routed_scaling_factor
 
 
+def decision_gaps(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int,
+                  top_k: int) -> torch.Tensor:
+    """Per row of fp32 gate logits [T, E], the smallest gap between two biased scores (or group scores) whose order
+    decides sigmoid_group_route's ids: a row whose logits move by less than that, in sigmoid space, routes the same.
+    Tests draw inputs clear of near-ties with it; benchmarks/kernels_bench.py excuses near-ties with it."""
+    choice = torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
+    rows, experts = choice.shape
+    gap = torch.full((rows,), math.inf, device=logits.device)
+    if rows == 0:
+        return gap
+    if n_group > 1:
+        groups = choice.view(rows, n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+        if topk_group < n_group:
+            g = groups.topk(topk_group + 1, dim=-1).values
+            gap = g[:, -2] - g[:, -1]
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // n_group, dim=1), -math.inf)
+    candidates = min(top_k + 1, int(torch.isfinite(choice[0]).sum()))
+    v = choice.topk(candidates, dim=-1).values
+    if candidates > 1:
+        gap = torch.minimum(gap, (v[:, :-1] - v[:, 1:]).min(dim=-1).values)
+    return gap
+
+
 def softmax_route(
     hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None = None, *, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +96,8 @@ def softmax_route(
 
 def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None,
           fused: bool = False):
-    """Dispatch on the model's router kind (see ModelConfig.router). fused: LLaDA2's routing as one Triton kernel
-    after the same gate GEMM (oled/kernels/triton_router.py; the same ids and weights)."""
+    """Dispatch on the model's router kind (see ModelConfig.router). fused: LLaDA2's gate GEMM and routing as Triton
+    kernels (oled/kernels/triton_router.py; the same ids and weights up to the fp32 sums' order)."""
     bias = expert_bias if config.use_expert_bias else None
     if config.router == "sigmoid_group":
         if fused:
