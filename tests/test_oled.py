@@ -176,7 +176,7 @@ def test_the_eviction_rank_is_the_plain_sort_by_need_score_last_use_and_id():
         extra = rng.sample(sorted(set(range(24)) - resident), rng.randint(0, 3))
         needed = {e: 1 for e in rng.sample(sorted(resident), rng.randint(0, 4)) + extra}
         last, score = p.last_use[1], p.predictor.layer_scores(1)
-        want = sorted(resident | set(extra), key=lambda e: (e in needed, score[e], last.get(e, -1), e))
+        want = sorted(resident | set(extra), key=lambda e: (e in needed, score[e], last[e], e))
         assert list(p.eviction_order(1, resident, extra, needed=needed)) == want
 
 

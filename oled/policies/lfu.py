@@ -1,6 +1,8 @@
 """`lfu`: as `lru`, but evict the least frequently used expert (ties: least recently used)."""
 from __future__ import annotations
 
+import numpy as np
+
 from .lru import LRUPolicy
 
 
@@ -9,14 +11,12 @@ class LFUPolicy(LRUPolicy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.uses = {layer: {} for layer in ctx.layers}      # layer -> expert -> forwards that used it
+        self.uses = {layer: np.zeros(ctx.num_experts, dtype=np.int64) for layer in ctx.layers}   # forwards per expert
 
     def used(self, layer, demand):
         super().used(layer, demand)
-        uses = self.uses[layer]
-        for e in demand:
-            uses[e] = uses.get(e, 0) + 1
+        self.uses[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] += 1    # (ids unique in demand)
 
-    def eviction_key(self, layer):
+    def eviction_keys(self, layer):
         uses, last = self.uses[layer], self.last_use[layer]
-        return lambda e: (uses.get(e, 0), last.get(e, -1), e)
+        return lambda cand: (last[cand], uses[cand])

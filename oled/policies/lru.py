@@ -10,6 +10,8 @@ the use it is serving.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .base import MISS_MODES, EvictionOrder, LayerDecision, LayerEvent, Policy
 
 
@@ -29,7 +31,8 @@ class LRUPolicy(Policy):
             raise ValueError(f"policy {self.name!r} with misses=cooperative needs the measured cost model "
                              "(the engine measures it; a trace replay takes the recording's or --cost-model FILE)")
         self.clock = 0
-        self.last_use = {layer: {} for layer in ctx.layers}   # layer -> expert -> clock of its last use
+        # layer -> clock of each expert's last use (-1: never), an array for the eviction order's vectorised keys
+        self.last_use = {layer: np.full(ctx.num_experts, -1, dtype=np.int64) for layer in ctx.layers}
         self.pending = {layer: None for layer in ctx.layers}  # layer -> demand of its last event, not yet counted
 
     def touch(self, layer: int) -> None:
@@ -40,19 +43,17 @@ class LRUPolicy(Policy):
             self.used(layer, demand)
 
     def used(self, layer: int, demand: dict[int, int]) -> None:
-        last = self.last_use[layer]
-        for e in demand:
-            last[e] = self.clock
+        self.last_use[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] = self.clock
 
-    def eviction_key(self, layer: int):
+    def eviction_keys(self, layer: int):
+        """cand (expert ids) -> the sort keys EvictionOrder.by_keys takes: least recently used first."""
         last = self.last_use[layer]
-        return lambda e: (last.get(e, -1), e)
+        return lambda cand: (last[cand],)
 
     def eviction_order(self, layer: int, resident, extra=()) -> EvictionOrder:
-        """The layer's residents and `extra` (this layer's loads), least recently used first; built only if a slot
-        must be freed."""
-        key = self.eviction_key(layer)
-        return EvictionOrder(lambda: sorted(set(resident).union(extra), key=key))
+        """The layer's residents and `extra` (this layer's loads) by eviction_keys (ties: lower id first); built
+        only if a slot must be freed."""
+        return EvictionOrder.by_keys(resident, self.eviction_keys(layer), extra)
 
     def split(self, event: LayerEvent) -> tuple[list[int], list[int]]:
         """(load, cpu) of the layer's misses."""
@@ -65,4 +66,4 @@ class LRUPolicy(Policy):
         self.touch(layer)
         load, cpu = self.split(event)
         self.pending[layer] = event.demand
-        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident, load))
+        return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident_ids, load))

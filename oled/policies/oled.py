@@ -26,7 +26,7 @@ from itertools import islice
 
 import numpy as np
 
-from .base import EvictionOrder, LayerDecision, LayerEvent
+from .base import EvictionOrder, LayerDecision, LayerEvent, member_mask
 from .lru import LRUPolicy
 from .reuse import WEIGHTINGS, ReuseCalibration, ReusePredictor
 
@@ -64,12 +64,6 @@ class OledPolicy(LRUPolicy):
         super().setup(ctx)
         self.predictor = ReusePredictor(ctx.layers, ctx.num_experts, self.calibration, decay=self.decay,
                                         weighting=self.weighting)
-        # last_use as arrays too (expert -> clock, -1: never), for the eviction rank's vectorised lookups
-        self.last_used = {layer: np.full(ctx.num_experts, -1, dtype=np.int64) for layer in ctx.layers}
-
-    def used(self, layer, demand):
-        super().used(layer, demand)
-        self.last_used[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] = self.clock
 
     # ------------------------------------------------------------------------------------------------ events
     def on_request_start(self):
@@ -89,28 +83,19 @@ class OledPolicy(LRUPolicy):
         self.predictor.observe(layer, event.ids, event.weights)
         # one order for the planner's eviction losses and the runtime's evictions (misses sent to the CPU are never
         # resident, so listing them too changes nothing)
-        order = self.eviction_order(layer, event.resident, event.misses, needed=event.demand)
+        order = self.eviction_order(layer, event.resident_ids, event.misses, needed=event.ids)
         load, cpu = self.split(event, order)
         self.pending[layer] = event.demand
         return LayerDecision(load=load, cpu=cpu, evict=order)
 
     # ------------------------------------------------------------------------------------------------ retention
     def eviction_order(self, layer, resident, extra=(), needed=()):
+        """By (needed now, score, last use, id); needed: the layer's routed ids (or any collection of experts)."""
         if self.retention == "lru":
             return super().eviction_order(layer, resident, extra)
-        score, last = self.predictor.layer_scores(layer), self.last_used[layer]
-
-        def rank():      # by (needed now, score, last use, id): one lexsort instead of a sort by Python tuples
-            member = np.zeros(len(last), dtype=bool)
-            member[list(resident)] = True
-            if extra:
-                member[list(extra)] = True
-            cand = np.flatnonzero(member)
-            need = np.zeros(len(last), dtype=bool)
-            if needed:
-                need[list(needed)] = True
-            return cand[np.lexsort((cand, last[cand], score[cand], need[cand]))].tolist()
-        return EvictionOrder(rank)
+        score, last = self.predictor.layer_scores(layer), self.last_use[layer]
+        return EvictionOrder.by_keys(
+            resident, lambda cand: (last[cand], score[cand], member_mask(len(last), needed)[cand]), extra)
 
     # ------------------------------------------------------------------------------------------------ misses
     def split(self, event, order=()):
@@ -120,6 +105,8 @@ class OledPolicy(LRUPolicy):
         misses = event.misses
         if not misses:
             return [], []
+        if event.mapped:      # every miss served already: nothing to weigh (cooperative_split loads them all)
+            return self.cooperative_split(event)
         costs = self.ctx.costs
         # P(no row routed to e now routes to it next iteration) = prod over those rows of (1 - p): one bincount of
         # log(1 - p) over every (row, expert) pair (a row routes to an expert at most once)

@@ -9,7 +9,7 @@ its predicted experts are evicted last. Misses of the real routing are loaded on
 """
 from __future__ import annotations
 
-from .base import EvictionOrder
+from .base import EvictionOrder, member_mask
 from .lru import LRUPolicy
 
 
@@ -22,9 +22,9 @@ class PrefetchPolicy(LRUPolicy):
         self.predicted: dict[int, set[int]] = {layer: set() for layer in ctx.layers}   # pending predictions
         self.predictions = 0        # predictions received (for tests and reports)
 
-    def eviction_key(self, layer):
+    def eviction_keys(self, layer):
         keep, last = self.predicted[layer], self.last_use[layer]
-        return lambda e: (e in keep, last.get(e, -1), e)
+        return lambda cand: (last[cand], member_mask(len(last), keep)[cand])
 
     def decide(self, event):
         self.predicted[event.layer] = set()   # the real routing is known now: the prediction has served its purpose
@@ -37,7 +37,6 @@ class PrefetchPolicy(LRUPolicy):
             ranked = sorted(predicted, key=lambda e: (-predicted[e], e))[: self.ctx.capacity]
             self.predicted[nxt] = set(ranked)
             decision.prefetch = [e for e in ranked if e not in event.next_resident]
-            key = self.eviction_key(nxt)
-            candidates = event.next_resident | set(decision.prefetch)
-            decision.prefetch_evict = EvictionOrder(lambda: sorted(candidates, key=key))
+            decision.prefetch_evict = EvictionOrder.by_keys(event.next_resident, self.eviction_keys(nxt),
+                                                            decision.prefetch)
         return decision

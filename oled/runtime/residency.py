@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..policies.base import ForwardInfo, LayerDecision, LayerEvent, Policy, PolicyContext
+from ..policies.base import ForwardInfo, LayerDecision, LayerEvent, Policy, PolicyContext, increasing_ids
 from .expert_cache import ExpertCache
 from .stats import LayerRecord, RunStats
 
@@ -26,6 +26,7 @@ class LayerStep:
     hits: list[int]             # needed experts resident when the layer runs
     decision: LayerDecision     # the misses: loaded (decision.load) or computed on the CPU (decision.cpu)
     rec: LayerRecord
+    resident: frozenset[int]    # the layer's residents when its event was made (Residency.residents)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class Residency:
         # layer -> the slots the mapped forward under way may capture into, each with the expert it holds (None: free)
         self.armed: dict[int, list[tuple[int, int | None]]] = {}
         self._victims: dict[int, list[int]] = {}  # layer -> its last decision's eviction order
+        # layer -> its residents as (frozenset, increasing ids), made again only once its slots change (_changed):
+        # most layers of most forwards load nothing, and rebuilding them per event was ~3 us of a layer's host step
+        self._residents: dict[int, tuple[frozenset[int], np.ndarray]] = {}
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
@@ -79,7 +83,22 @@ class Residency:
             experts = (list(range(self.num_experts)) if self.holds_everything
                        else self.policy.initial_placement(layer)[: self.cache.capacity])
             placed.append((layer, experts, [self.cache.insert(layer, e) for e in experts]))
+            self._changed(layer)
         return placed
+
+    def residents(self, layer: int) -> tuple[frozenset[int], np.ndarray]:
+        """The layer's resident experts, as a frozenset and as increasing ids (read-only): LayerEvent.resident and
+        resident_ids. Every change of the slot tables goes through this class, which calls _changed."""
+        view = self._residents.get(layer)
+        if view is None:
+            resident = frozenset(self.cache.resident(layer))
+            ids = increasing_ids(resident)
+            ids.flags.writeable = False           # shared by the events of the layer until its slots change
+            view = self._residents[layer] = (resident, ids)
+        return view
+
+    def _changed(self, layer: int) -> None:
+        self._residents.pop(layer, None)
 
     # --------------------------------------------------------------------------------------------- per forward
     def begin_forward(self, info: ForwardInfo, cpu_scale: float = 1.0) -> None:
@@ -99,31 +118,31 @@ class Residency:
         predictions); mapped: the layer ran on the mapped path (its misses computed from host memory). Hands the
         policy the layer's event, checks its decision, records the statistics."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)     # experts in increasing id order
-        experts = np.flatnonzero(counts)
+        experts = counts.nonzero()[0]
         demand = dict(zip(experts.tolist(), counts[experts].tolist()))
-        resident = self.cache.resident(layer)
-        hits = [e for e in demand if e in resident]
+        resident, resident_ids = self.residents(layer)
         misses = [e for e in demand if e not in resident]
+        hits = [e for e in demand if e in resident] if misses else list(demand)
         forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
                                               block_length=len(ids))   # a layer run outside the decoding loop
         event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
-                           resident=set(resident), hits=hits, misses=misses, mapped=mapped)
+                           resident=resident, hits=hits, misses=misses, mapped=mapped, resident_ids=resident_ids)
         if predicted is not None and (nxt := self.next_layer(layer)) is not None:
             p_experts, p_counts = np.unique(predicted, return_counts=True)
             event.predicted = dict(zip(p_experts.tolist(), p_counts.tolist()))
-            event.next_layer, event.next_resident = nxt, set(self.cache.resident(nxt))
+            event.next_layer, event.next_resident = nxt, self.residents(nxt)[0]
         decision = self.policy.decide(event)
-        served = set(decision.load) | set(decision.cpu)
-        if len(decision.load) + len(decision.cpu) != len(misses) or served != set(misses):
+        served = decision.load + decision.cpu
+        if served != misses and sorted(served) != sorted(misses):     # (misses are distinct experts)
             raise RuntimeError(f"policy {self.policy.name!r}: a decision must split exactly the misses {misses} "
                                f"into load and cpu, got load={decision.load} cpu={decision.cpu}")
         rec = self.stats.layer(layer)
         rec.pairs, rec.experts, rec.expert_tokens = int(ids.size), len(demand), demand
         rec.experts_hit = len(hits)
-        rec.pairs_hit = sum(demand[e] for e in hits)
+        rec.pairs_hit = rec.pairs - sum(map(demand.__getitem__, misses))     # (most layers have no miss)
         rec.experts_cpu = len(decision.cpu)
-        rec.pairs_cpu = sum(demand[e] for e in decision.cpu)
-        return LayerStep(layer, demand, hits, decision, rec)
+        rec.pairs_cpu = sum(map(demand.__getitem__, decision.cpu))
+        return LayerStep(layer, demand, hits, decision, rec, resident)
 
     def waves(self, step: LayerStep, resident_already: list[int] = ()):
         """Yield the layer's waves: hits plus as many loads as the layer's slots hold; more loads than slots run in
@@ -131,15 +150,16 @@ class Residency:
         yielded. resident_already: misses made resident without a copy (captured), held like the hits and not
         loaded."""
         layer, rec = step.layer, step.rec
-        protected = set(step.hits) | set(resident_already)
+        protected = set(step.hits).union(resident_already)
         queue = [e for e in step.decision.load if e not in protected]
         while True:
             room = self.cache.capacity - len(protected)
             loads, queue = queue[:room], queue[room:]
-            slots = self._insert(layer, loads, protected | set(loads), step.decision.evict)
+            protected.update(loads)           # the wave's experts, none of them evicted for its loads
+            slots = self._insert(layer, loads, protected, step.decision.evict)
             rec.bytes_h2d += len(loads) * self.expert_bytes
             rec.loads += len(loads)
-            yield Wave(loads, slots, protected | set(loads))
+            yield Wave(loads, slots, protected)
             if not queue:
                 break
             protected = set()
@@ -200,9 +220,13 @@ class Residency:
         wrote into armed slots are resident already, in place of the victims those slots held (no copy): they are
         not loaded again."""
         step = self.begin_layer(layer, ids, weights, mapped=True)
-        self._record_mapped(step, step.decision.load + step.decision.cpu)
-        captured = self._take_captured(step) if self.capture_slots else []
-        first = next(self.waves(step, captured))
+        misses = step.decision.load + step.decision.cpu
+        if misses:
+            self._record_mapped(step, misses)
+            captured = self._take_captured(step) if self.capture_slots else []
+            first = next(self.waves(step, captured))
+        else:               # most layers of a denoising iteration: nothing mapped, captured or loaded
+            first = Wave([], [], set(step.hits))
         if self.capture_slots:
             self._victims[layer] = list(step.decision.evict)
         self.end_layer(step)
@@ -219,6 +243,7 @@ class Residency:
             if owner is not None:
                 self.cache.evict(layer, owner)
             self.cache.insert_at(layer, e, slot)
+            self._changed(layer)
         step.rec.experts_captured = len(captured)
         return captured
 
@@ -240,7 +265,11 @@ class Residency:
     def end_layer(self, step: LayerStep) -> None:
         resident_after = self.cache.resident(step.layer)
         step.rec.resident = len(resident_after)
-        step.rec.resident_used = sum(1 for e in step.demand if e in resident_after)
+        view = self._residents.get(step.layer)
+        if view is not None and view[0] is step.resident:   # still the event's view: no slot changed (most layers)
+            step.rec.resident_used = len(step.hits)
+        else:
+            step.rec.resident_used = len(step.demand.keys() & resident_after.keys())
 
     def record_resident(self, layer: int, ids: np.ndarray, weights: np.ndarray | None) -> None:
         """A layer that ran on the all-resident path (all_resident), once its forward ended:
@@ -274,4 +303,5 @@ class Residency:
                                        f"{e} (eviction order {evict_order}, protected {sorted(protected)})")
                 self.cache.evict(layer, victim)
             slots.append(self.cache.insert(layer, e))
+            self._changed(layer)
         return slots
