@@ -87,11 +87,12 @@ class AttentionTiles(NamedTuple):
 
 def default_tiles(rows: int, interpreting: bool) -> AttentionTiles:
     """The tiles for a chunk of `rows` query rows a KV head (tokens x group). Compiled: a decode chunk (LLaDA2.0-mini:
-    32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, each one pass over its ~300 keys in tiles
-    of 64 (the pass is latency-bound: programs of 64 rows, 8 in all, took 13 us a layer on the H200, BENCHMARKS.md
-    section 24); 128 rows and 8 warps from 2,048 rows a KV head (a prefill), as Triton's flash-attention tutorial
-    has for head_dim 128. Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and 32 keys
-    still split the tests' chunks and key ranges into several tiles."""
+    32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, each one pass over its keys in tiles of
+    64; a prefill (2,048 rows a KV head and more) in programs of 128 rows and 8 warps, as Triton's flash-attention
+    tutorial has for head_dim 128. On the H200 (BENCHMARKS.md section 24) 16-row programs took 8.2 us a call in a
+    CUDA graph against 8.8 for 64 rows (32 tokens over 288 keys) and 71.7 against 67.9 (over 4,032 keys); in the
+    engine the kernel took 12.9 us a layer either way. Interpreted: the cost is per operation, so small tiles are
+    cheap, and 32 rows and 32 keys still split the tests' chunks and key ranges into several tiles."""
     if interpreting:
         return AttentionTiles(rows=32, block_n=32, warps=1, stages=1)
     if rows >= 2048:
