@@ -299,3 +299,28 @@ def test_manager_refuses_broken_policies():
         m.run(1, x, ids, w)
     with pytest.raises(ValueError, match="CPU"):
         ExpertManager(eng.store, spec, make_policy("tide"), eng.device, cpu_kernel=None)
+
+
+def test_the_residents_view_follows_every_change_of_the_slot_table():
+    """Residency.residents is made once per version of a layer's slot table: a change made straight on the
+    ExpertCache (insert, capture, evict), not through Residency, still shows in the next view; no change, the same
+    objects."""
+    from oled.policies import make_policy
+    from oled.runtime.budget import ExpertBudget
+    from oled.runtime.expert_cache import ExpertCache
+    from oled.runtime.residency import Residency
+    from oled.runtime.stats import RunStats
+
+    budget = ExpertBudget(slots_per_layer=4, num_layers=2, expert_bytes=1, total_expert_bytes=16)
+    cache = ExpertCache([1, 2], budget, 1, None, "meta")
+    res = Residency(cache, make_policy("lru"), RunStats(), num_experts=8, top_k=2, expert_bytes=1)
+    empty, _ = res.residents(1)
+    cache.insert(1, 5)
+    resident, ids = res.residents(1)
+    assert empty == frozenset() and resident == {5} and ids.tolist() == [5]
+    assert res.residents(1)[0] is resident                      # nothing changed: the same view
+    cache.insert_at(1, 3, cache.free[1][0])
+    cache.evict(1, 5)
+    resident, ids = res.residents(1)
+    assert resident == {3} and ids.tolist() == [3] and not ids.flags.writeable
+    assert res.residents(2)[0] == frozenset() and cache.version == {1: 3, 2: 0}

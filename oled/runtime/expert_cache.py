@@ -20,6 +20,9 @@ class ExpertCache:
         self.free: dict[int, list[int]] = {
             layer: list(range((i + 1) * self.capacity - 1, i * self.capacity - 1, -1)) for i, layer in enumerate(layers)}
         self.evictions = {layer: 0 for layer in layers}
+        # layer -> a count of its slot-table changes: a view of the residents made at one version stays valid
+        # while the version does (Residency.residents), whoever changes the table
+        self.version = {layer: 0 for layer in layers}
 
     def resident(self, layer: int) -> dict[int, int]:
         return self.slot_of[layer]
@@ -32,6 +35,7 @@ class ExpertCache:
         assert expert not in self.slot_of[layer], (layer, expert)
         slot = self.free[layer].pop()
         self.slot_of[layer][expert] = slot
+        self.version[layer] += 1
         assert len(self.slot_of[layer]) <= self.capacity
         return slot
 
@@ -40,11 +44,13 @@ class ExpertCache:
         assert expert not in self.slot_of[layer], (layer, expert)
         self.free[layer].remove(slot)
         self.slot_of[layer][expert] = slot
+        self.version[layer] += 1
 
     def evict(self, layer: int, expert: int) -> int:
         slot = self.slot_of[layer].pop(expert)
         self.free[layer].append(slot)
         self.evictions[layer] += 1
+        self.version[layer] += 1
         return slot
 
     @property

@@ -51,9 +51,10 @@ class Residency:
         # layer -> the slots the mapped forward under way may capture into, each with the expert it holds (None: free)
         self.armed: dict[int, list[tuple[int, int | None]]] = {}
         self._victims: dict[int, list[int]] = {}  # layer -> its last decision's eviction order
-        # layer -> its residents as (frozenset, increasing ids), made again only once its slots change (_changed):
-        # most layers of most forwards load nothing, and rebuilding them per event was ~3 us of a layer's host step
-        self._residents: dict[int, tuple[frozenset[int], np.ndarray]] = {}
+        # layer -> (the cache's version of its slot table, its residents as a frozenset and as increasing ids), made
+        # again only once the version moves: most layers of most forwards load nothing, and rebuilding them per
+        # event was ~3 us of a layer's host step
+        self._residents: dict[int, tuple[int, frozenset[int], np.ndarray]] = {}
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
@@ -83,22 +84,19 @@ class Residency:
             experts = (list(range(self.num_experts)) if self.holds_everything
                        else self.policy.initial_placement(layer)[: self.cache.capacity])
             placed.append((layer, experts, [self.cache.insert(layer, e) for e in experts]))
-            self._changed(layer)
         return placed
 
     def residents(self, layer: int) -> tuple[frozenset[int], np.ndarray]:
         """The layer's resident experts, as a frozenset and as increasing ids (read-only): LayerEvent.resident and
-        resident_ids. Every change of the slot tables goes through this class, which calls _changed."""
+        resident_ids, made again only when the cache's version of the layer's slot table has moved."""
+        version = self.cache.version[layer]
         view = self._residents.get(layer)
-        if view is None:
+        if view is None or view[0] != version:
             resident = frozenset(self.cache.resident(layer))
             ids = increasing_ids(resident)
             ids.flags.writeable = False           # shared by the events of the layer until its slots change
-            view = self._residents[layer] = (resident, ids)
-        return view
-
-    def _changed(self, layer: int) -> None:
-        self._residents.pop(layer, None)
+            view = self._residents[layer] = (version, resident, ids)
+        return view[1], view[2]
 
     # --------------------------------------------------------------------------------------------- per forward
     def begin_forward(self, info: ForwardInfo, cpu_scale: float = 1.0) -> None:
@@ -243,7 +241,6 @@ class Residency:
             if owner is not None:
                 self.cache.evict(layer, owner)
             self.cache.insert_at(layer, e, slot)
-            self._changed(layer)
         step.rec.experts_captured = len(captured)
         return captured
 
@@ -266,7 +263,8 @@ class Residency:
         resident_after = self.cache.resident(step.layer)
         step.rec.resident = len(resident_after)
         view = self._residents.get(step.layer)
-        if view is not None and view[0] is step.resident:   # still the event's view: no slot changed (most layers)
+        if view is not None and view[1] is step.resident \
+                and view[0] == self.cache.version[step.layer]:      # no slot changed since the event (most layers)
             step.rec.resident_used = len(step.hits)
         else:
             step.rec.resident_used = len(step.demand.keys() & resident_after.keys())
@@ -303,5 +301,4 @@ class Residency:
                                        f"{e} (eviction order {evict_order}, protected {sorted(protected)})")
                 self.cache.evict(layer, victim)
             slots.append(self.cache.insert(layer, e))
-            self._changed(layer)
         return slots
