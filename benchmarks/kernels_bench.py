@@ -15,6 +15,7 @@ in --out.
     python benchmarks/kernels_bench.py --out kernels.json
     python benchmarks/kernels_bench.py --cases moe --moe-tiles gate_up_n=64,down_n=128 --moe-tiles num_warps=8
     python benchmarks/kernels_bench.py --cases attention --attention-tiles rows=16 --attention-tiles rows=64
+    python benchmarks/kernels_bench.py --cases linear --linear-tiles block_n=32 --linear-tiles block_k=128,stages=3
 
 Shapes: router at T in (32, 256, 2048) with LLaDA2.0-mini's gate (H 2048, E 256, 8 groups, top-4 groups, top-8,
 bf16 hidden, weight and bias); confidence at B in (32, 256) with V 157,184. Confidence inputs are cycled through
@@ -43,6 +44,15 @@ engine's time to copy the same m blobs (what a load into slots costs before the 
 capturing the m experts into free slots as it reads them (capture=, what --capture-slots runs); outputs must equal
 m = 0's bit for bit, and each captured slot must hold its expert's blob.
 
+Linear: the skinny GEMM (oled/kernels/triton_linear.py) against F.linear (cuBLAS) for a decode step of M in
+LINEAR_ROWS rows and each of LLaDA2.0-mini's small dense weights (LINEAR_WEIGHTS), bf16: each path's time eager and
+inside a CUDA graph (*_graph_us), the weight bytes' effective GB/s (*_gbps, *_graph_gbps) against floor_us, the
+largest error of each against an fp32 GEMM of the same inputs and the share of elements beyond one bf16 ulp of it,
+the share of the kernel's elements equal to F.linear's. Weights are cycled through enough copies to exceed twice
+the L2 (a graph call runs the GEMM once over each copy; its time is per GEMM), so each GEMM reads its weight from
+HBM, as in a forward. The kernel must be finite, within an ulp of the largest reference value, and give the same
+bits on a second call. The default tiles are always measured; each --linear-tiles adds a configuration.
+
 Exit status: 0 every check passed; 1 a kernel's results differ from its reference (the JSON says where);
 2 no CUDA device or no Triton.
 """
@@ -58,7 +68,7 @@ from types import SimpleNamespace
 
 import torch
 
-CASES = ("router", "confidence", "moe", "norm", "attention", "mapped")
+CASES = ("router", "confidence", "moe", "norm", "attention", "mapped", "linear")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -80,10 +90,15 @@ HEADS, KV_HEADS, HEAD_DIM, ROTARY = 16, 4, 128, 64     # LLaDA2.0-mini's attenti
 NORM_EQUAL_FRACTION, NORM_MAX_REL = 0.99, 2**-6
 # (tokens, start, kv_end, key_len): a decode block at ~300 keys in its graph's 512-key bucket, the same late in a
 # long context, a block with its neighbours
-ATTENTION_SHAPES = ((32, 256, 288, 512), (32, 4000, 4032, 4096), (128, 256, 384, 512))
+ATTENTION_SHAPES = ((32, 256, 288, 512), (32, 480, 512, 576), (32, 4000, 4032, 4096), (128, 256, 384, 512))
 ATTENTION_BLOCK = 32
 # bf16 in and out, fp32 sums; P rounded to bf16 before P @ V (as flash attention does) where cuDNN may keep more
 ATTENTION_MAX_REL, ATTENTION_MEAN_REL = 2**-6, 2**-9
+LINEAR_ROWS = (32, 64)                                 # a decode step's rows: a block, and two
+# LLaDA2.0-mini's small dense weights [N, K]: attention QKV and output, the shared expert's gate|up and down, the
+# dense first layer's MLP gate|up and down
+LINEAR_WEIGHTS = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "shared_gate_up": (1024, 2048),
+                  "shared_down": (2048, 512), "dense_gate_up": (10240, 2048), "dense_down": (2048, 5120)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -338,7 +353,7 @@ def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed
 
 
 def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN, inter=MOE_INTER, top_k=MOE_TOP_K,
-             tiles=None, copies=2, seed=0, peak_gbps=PEAK_GBPS) -> dict:
+             tiles=None, copies=2, seed=0, peak_gbps=PEAK_GBPS, graph_timer=None) -> dict:
     from dataclasses import asdict
 
     from oled.kernels.triton_moe import DEFAULT_TILES, fused_swiglu_pairs
@@ -367,8 +382,14 @@ def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN
     check = compare_moe(want, got)
     torch_us, fused_us = timer(reference, args), timer(fused, args)
     weight_bytes = unique * 3 * inter * hidden * pool.element_size()
+    # the fused path inside a graph, as the engine replays it (an eager call is mostly its launches); the experts'
+    # weights (32-47 x 6 MiB) are beyond L2, so each call reads them from HBM
+    in_graph = {}
+    if graph_timer is not None:
+        us = graph_timer(fused, args[0])
+        in_graph = {"fused_graph_us": us, "fused_graph_gbps": gbps(weight_bytes, us)}
     return {"case": "moe", "tokens": tokens, "top_k": top_k, "pairs": pairs, "unique_experts": unique,
-            "slots": slots, "hidden": hidden, "intermediate": inter, "tiles": asdict(tiles),
+            "slots": slots, "hidden": hidden, "intermediate": inter, "tiles": asdict(tiles), **in_graph,
             "weight_bytes": weight_bytes, "torch_us": torch_us, "fused_us": fused_us, "speedup": torch_us / fused_us,
             "torch_gbps": gbps(weight_bytes, torch_us), "fused_gbps": gbps(weight_bytes, fused_us),
             "peak_gbps": peak_gbps, "floor_us": weight_bytes / (peak_gbps * 1e9) * 1e6,
@@ -562,6 +583,74 @@ def copies_beyond_l2(num_bytes: int, l2_bytes: int) -> int:
     return max(1, math.ceil(2 * l2_bytes / num_bytes))
 
 
+def ulps(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s numbers at each of `values` (fp32): eps * 2**floor(log2 |v|), at least the spacing
+    of its subnormals (that too at 0)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.float())
+    spacing = torch.ldexp(torch.full_like(values, info.eps, dtype=torch.float32), exponent - 1)
+    return torch.where(values == 0, 0.0, spacing).clamp_min(info.tiny * info.eps)
+
+
+def linear_errors(want: torch.Tensor, got: torch.Tensor) -> dict:
+    """A GEMM's output `got` (its storage dtype) against an fp32 GEMM of the same inputs `want`: the largest error,
+    that relative to the largest reference value, and the share of elements farther than one ulp of `got`'s dtype at
+    the reference value (a correctly rounded result is half an ulp away; sums that cancel to near 0 can go further in
+    any fp32 order)."""
+    err = (got.float() - want).abs()
+    return {"max_abs_err": float(err.max()) if err.numel() else 0.0,
+            "max_err_of_max": float(err.max() / want.abs().max().clamp_min(1e-30)) if err.numel() else 0.0,
+            "beyond_one_ulp": float((err > ulps(want, got.dtype)).float().mean()) if err.numel() else 0.0}
+
+
+def linear_case(rows, n, k, *, device, timer, counter, tiles=None, graph_timer=None, copies=1, name=None, seed=0,
+                peak_gbps=PEAK_GBPS) -> dict:
+    """x [rows, k] @ W [n, k]^T in bf16: F.linear against the skinny Triton GEMM (tiles: None for its defaults),
+    over `copies` copies of the weight in turn."""
+    import torch.nn.functional as F
+
+    from oled.kernels.linear_kernel import skinny_linear_kernel
+    from oled.kernels.triton_linear import default_tiles, linear
+    from oled.kernels.triton_support import interpreted
+
+    g = torch.Generator(device=device).manual_seed(seed + rows + n + k)
+    bf = torch.bfloat16
+    x = torch.randn(rows, k, device=device, generator=g).to(bf)
+    weights = [(torch.randn(n, k, device=device, generator=g) / math.sqrt(k)).to(bf) for _ in range(copies)]
+    used = tiles or default_tiles(rows, n, k, interpreted(skinny_linear_kernel))
+    fused = lambda x, w: linear(x, w, tiles=tiles)                                  # noqa: E731
+
+    def each_copy(fn):
+        """fn over every weight copy in turn: one graph call, `copies` GEMMs."""
+        return lambda x, *ws: [fn(x, w) for w in ws]
+
+    with torch.no_grad():
+        w = weights[0]
+        want = F.linear(x.float(), w.float())
+        ref, got = F.linear(x, w), fused(x, w)
+        check = {"torch": linear_errors(want, ref), "triton": linear_errors(want, got),
+                 "equal_to_torch_fraction": float((got == ref).float().mean()),
+                 "deterministic": bool(torch.equal(got, fused(x, w)))}
+        largest = want.abs().max()
+        check["ok"] = bool(torch.isfinite(got).all()) and check["deterministic"] \
+            and check["triton"]["max_abs_err"] <= float(ulps(largest, bf))
+        inputs = [(x, w) for w in weights]
+        torch_us, triton_us = timer(F.linear, inputs), timer(fused, inputs)
+        weight_bytes = n * k * w.element_size()
+        record = {"case": "linear", "weight": name, "rows": rows, "n": n, "k": k, "copies": copies,
+                  "tiles": used._asdict(), "default_tiles": tiles is None, "weight_bytes": weight_bytes,
+                  "floor_us": weight_bytes / (peak_gbps * 1e3), "torch_us": torch_us, "triton_us": triton_us,
+                  "speedup": torch_us / triton_us, "torch_gbps": gbps(weight_bytes, torch_us),
+                  "triton_gbps": gbps(weight_bytes, triton_us)}
+        if graph_timer is not None:         # as the engine replays a forward; an eager call is mostly its launch
+            args = (x, *weights)
+            for path, fn in (("torch", F.linear), ("triton", fused)):
+                us = graph_timer(each_copy(fn), args) / copies
+                record.update({f"{path}_graph_us": us, f"{path}_graph_gbps": gbps(weight_bytes, us)})
+            record["graph_speedup"] = record["torch_graph_us"] / record["triton_graph_us"]
+        return dict(record, torch=counter(F.linear, (x, w)), triton=counter(fused, (x, w)), check=check)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -580,6 +669,10 @@ def parse_args(argv):
                    help="attention tiles to measure instead of the defaults (oled.kernels.triton_attention."
                         "AttentionTiles fields rows, block_n, warps, stages; those not given: the default's for the "
                         "shape); repeat for several configurations")
+    p.add_argument("--linear-tiles", action="append", metavar="FIELD=N,...",
+                   help="skinny-GEMM tiles to measure besides the defaults (oled.kernels.triton_linear.LinearTiles "
+                        "fields block_n, block_k, warps, stages; those not given: the default's for the shape); "
+                        "repeat for several configurations")
     args = p.parse_args(argv)
     if args.repeats < 20:
         p.error("--repeats must be at least 20")
@@ -596,6 +689,12 @@ def parse_args(argv):
             attention_tiles(fields, tokens=1)             # unknown fields fail here, not after the other cases
     except ValueError as e:
         p.error(f"--attention-tiles: {e}")
+    try:
+        args.linear_tiles = [None] + [parse_fields(spec) for spec in args.linear_tiles or []]
+        for fields in args.linear_tiles[1:]:
+            linear_tiles(fields, 32, *LINEAR_WEIGHTS["o_proj"])     # unknown fields fail here, not after other cases
+    except ValueError as e:
+        p.error(f"--linear-tiles: {e}")
     return args
 
 
@@ -621,6 +720,22 @@ def attention_tiles(fields: dict[str, int], tokens: int, heads: int = HEADS, kv_
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}: AttentionTiles has {', '.join(AttentionTiles._fields)}")
     return default_tiles(tokens * (heads // kv_heads), interpreting=False)._replace(**fields)
+
+
+def linear_tiles(fields: dict[str, int] | None, rows: int, n: int, k: int):
+    """LinearTiles with `fields`, the compiled default's for the shape for the others; None (the launcher's
+    defaults) for None."""
+    from oled.kernels.triton_linear import LinearTiles, default_tiles
+
+    if fields is None:
+        return None
+    unknown = set(fields) - set(LinearTiles._fields)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}: LinearTiles has {', '.join(LinearTiles._fields)}")
+    tiles = default_tiles(rows, n, k, interpreting=False)._replace(**fields)
+    if tiles.block_n < 16 or tiles.block_k < 16:
+        raise ValueError(f"block_n and block_k must be at least 16, got {tiles.block_n} and {tiles.block_k}")
+    return tiles
 
 
 def environment() -> dict:
@@ -662,7 +777,7 @@ def main(argv=None) -> int:
         if "moe" in args.cases:
             cases += [lambda t=t, u=u, s=s, tiles=tiles: moe_case(t, u, s, device="cuda", timer=timer,
                                                                   counter=cuda_launches, tiles=tiles,
-                                                                  peak_gbps=args.peak_gbps)
+                                                                  peak_gbps=args.peak_gbps, graph_timer=cuda_graph_us)
                       for tiles in args.moe_tiles for s in MOE_SLOTS for t, u in MOE_ROUTING]
         if "mapped" in args.cases:
             cases += [lambda m=m: mapped_case(m, device="cuda", timer=timer, counter=cuda_launches)
@@ -674,6 +789,12 @@ def main(argv=None) -> int:
                           *shape, device="cuda", timer=timer, counter=cuda_launches,
                           tiles=attention_tiles(fields, shape[0]), graph_timer=cuda_graph_us)
                       for fields in args.attention_tiles for shape in ATTENTION_SHAPES]
+        if "linear" in args.cases:
+            cases += [lambda m=m, name=name, n=n, k=k, fields=fields: linear_case(
+                          m, n, k, device="cuda", timer=timer, counter=cuda_launches, name=name,
+                          tiles=linear_tiles(fields, m, n, k), graph_timer=cuda_graph_us,
+                          copies=copies_beyond_l2(n * k * 2, l2), peak_gbps=args.peak_gbps)
+                      for fields in args.linear_tiles for m in LINEAR_ROWS for name, (n, k) in LINEAR_WEIGHTS.items()]
         for case in cases:
             record = {"bench": "kernels", **case(), "env": env}
             line = json.dumps(record)

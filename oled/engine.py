@@ -147,7 +147,8 @@ class Engine:
                "fused_norm": ("norm_kernel", "add_rms_norm_kernel"),
                "fused_mlp": ("mlp_kernel", "silu_mul_kernel"),
                "fused_confidence": ("confidence_kernel", "scan_kernel"),
-               "fused_attention": ("attention_kernel", "attention_kernel")}
+               "fused_attention": ("attention_kernel", "attention_kernel"),
+               "fused_linear": ("linear_kernel", "skinny_linear_kernel")}
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
         """Each Triton kernel on or off: as asked (one asked for is checked to run here first), or, left at None,

@@ -169,7 +169,7 @@ def test_waves_only_for_the_cooperative_oled_policies(capsys):
     assert main(["generate", "def f(", *TINY, "--policy", "oled", "--waves", "--expert-budget", "0.25"]) == 0
 
 
-@pytest.mark.parametrize("flag", ["--fused-router", "--fused-moe"])
+@pytest.mark.parametrize("flag", ["--fused-router", "--fused-moe", "--fused-linear"])
 def test_triton_flags_without_cuda_are_one_line(flag):
     """On a CPU-only machine (no TRITON_INTERPRET) the Triton kernels' flags are refused before any work (its own
     process: a test that switched Triton's interpreter on keeps it on for the rest of the process)."""

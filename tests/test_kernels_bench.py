@@ -209,3 +209,30 @@ def test_cases_and_moe_tiles_arguments():
     for bad in (["--cases", "gemm"], ["--moe-tiles", "down_n=48"], ["--moe-tiles", "rows=16"], ["--moe-tiles", "x"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_linear_tiles_arguments():
+    """--linear-tiles adds configurations to the defaults (None), each field checked before any case runs."""
+    assert bench.parse_args([]).linear_tiles == [None] and "linear" in bench.CASES
+    args = bench.parse_args(["--cases", "linear", "--linear-tiles", "block_n=32,stages=3", "--linear-tiles",
+                             "block_k=128"])
+    assert args.linear_tiles == [None, {"block_n": 32, "stages": 3}, {"block_k": 128}]
+    tiles = bench.linear_tiles(args.linear_tiles[1], 32, 2048, 2048)
+    assert (tiles.block_n, tiles.stages) == (32, 3) and tiles.block_k == 256 and tiles.warps == 4
+    assert bench.linear_tiles(None, 32, 2048, 2048) is None
+    for bad in (["--linear-tiles", "rows=16"], ["--linear-tiles", "block_n=8"], ["--linear-tiles", "block_k"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_linear_errors_count_elements_beyond_one_ulp():
+    want = torch.tensor([1.0, 3.0, -0.75, 100.0])
+    assert bench.ulps(want, torch.bfloat16).tolist() == [2**-7, 2**-6, 2**-8, 2**-1]
+    assert bench.ulps(torch.zeros(1), torch.bfloat16).item() == 2.0**-133          # bf16's smallest subnormal
+    rounded = want.to(torch.bfloat16)
+    assert bench.linear_errors(want, rounded) == {"max_abs_err": 0.0, "max_err_of_max": 0.0, "beyond_one_ulp": 0.0}
+    off = rounded.clone()
+    off[2] += 2 * 2**-8                                       # two ulps at 0.75
+    verdict = bench.linear_errors(want, off)
+    assert verdict["beyond_one_ulp"] == 0.25 and verdict["max_abs_err"] == 2**-7
+    assert verdict["max_err_of_max"] == pytest.approx(2**-7 / 100)

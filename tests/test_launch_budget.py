@@ -17,14 +17,16 @@ triton = import_triton_for_the_interpreter()
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
-# what each part of a forward launches with --fused
-EVERY_LAYER = Counter({"triton:add_rms_norm_kernel": 2, "linear": 2, "triton:qk_norm_rope_kernel": 1,
+# what each part of a forward launches with --fused (its GEMMs of up to 64 rows, every one here, as the skinny
+# Triton GEMM, the LM head's as torch's)
+GEMM = "triton:skinny_linear_kernel"
+EVERY_LAYER = Counter({"triton:add_rms_norm_kernel": 2, GEMM: 2, "triton:qk_norm_rope_kernel": 1,
                        "triton:attention_kernel": 1})       # two norms, QKV and output GEMMs, prologue, attention
 MOE_LAYER = Counter({"triton:gate_partials_kernel": 1,           # the gate GEMM, its partial sums
                      "triton:sigmoid_group_route_kernel": 1, "triton:align_pairs_kernel": 1,
                      "triton:gate_up_kernel": 1, "triton:down_kernel": 1, "triton:combine_kernel": 1,
-                     "linear": 2, "triton:silu_mul_kernel": 1})    # the shared expert: gate|up, SiLU * up, down
-DENSE_LAYER = Counter({"linear": 2, "triton:silu_mul_kernel": 1})
+                     GEMM: 2, "triton:silu_mul_kernel": 1})       # the shared expert: gate|up, SiLU * up, down
+DENSE_LAYER = Counter({GEMM: 2, "triton:silu_mul_kernel": 1})
 FORWARD = Counter({"embedding": 1, "full": 1, "arange": 1,       # no mask: the attention kernel computes it
                    "triton:add_rms_norm_kernel": 1, "linear": 1, "to": 1,           # final norm, LM head, fp32 logits
                    "triton:scan_kernel": 1, "_to_copy": 2, "stack": 2,             # confidence; to the host
@@ -34,7 +36,7 @@ FORWARD = Counter({"embedding": 1, "full": 1, "arange": 1,       # no mask: the 
 @pytest.fixture(scope="module")
 def kernels():
     mp = interpreted_kernels("kernel_math", "router_kernel", "confidence_kernel", "moe_align_kernel", "moe_kernel",
-                             "norm_kernel", "mlp_kernel", "attention_kernel")
+                             "norm_kernel", "mlp_kernel", "attention_kernel", "linear_kernel")
     yield
     mp.undo()
 
@@ -55,7 +57,7 @@ def test_a_fused_forward_launches_exactly_the_listed_kernels(kernels):
 
     counter = load_counter()
     assert set(counter.fused_fields()) == {"fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence",
-                                            "fused_attention"}
+                                            "fused_attention", "fused_linear"}
     runs = {fused: counter.count_forward(counter.fused_fields() if fused else [], gen_length=16)
             for fused in (False, True)}
     counts, forwards = runs[True]

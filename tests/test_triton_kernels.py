@@ -19,7 +19,7 @@ import torch
 from oled.decoding.rules import predict as predict_reference
 from oled.models.router import decision_gaps
 from oled.models.router import sigmoid_group_route as route_reference
-from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+from tests.triton_interpreter import compile_for_sm90, import_triton_for_the_interpreter, interpreted_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 def k():
     """The launchers, with their kernels built for the interpreter (which the rest of this process keeps: only
     the Triton kernel tests use Triton in-process)."""
-    mp = interpreted_kernels("router_kernel", "confidence_kernel")
+    mp = interpreted_kernels("kernel_math", "router_kernel", "confidence_kernel")
     from oled.kernels import confidence_kernel, router_kernel, triton_confidence, triton_router, triton_support
 
     assert triton_support.interpreted(router_kernel.sigmoid_group_route_kernel)
@@ -452,15 +452,7 @@ COMPILE_SM90 = textwrap.dedent("""
 
 def test_kernels_compile_for_sm90(tmp_path):
     """The compiled path (never run here): the kernels lower to sm_90 PTX and cubin with Triton's bundled ptxas."""
-    from triton.backends.nvidia.compiler import get_ptxas_version
-
-    try:
-        get_ptxas_version(90)
-    except Exception as e:                                            # a Triton wheel without the CUDA tools
-        pytest.skip(f"no usable ptxas: {e}")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, TRITON_CACHE_DIR=str(tmp_path))       # keep compiled kernels out of ~/.triton
-    subprocess.run([sys.executable, "-c", COMPILE_SM90], check=True, cwd=ROOT, env=env, timeout=300)
+    compile_for_sm90(COMPILE_SM90, tmp_path)
 
 
 def test_bench_cases_run_under_the_interpreter(k):

@@ -229,7 +229,8 @@ def test_the_kernels_are_on_by_default_with_cuda_only_and_follow_the_flags(norm,
     from oled.engine import Engine
     from oled.kernels import triton_support
 
-    names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence", "fused_attention")
+    names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence", "fused_attention",
+             "fused_linear")
     monkeypatch.setattr(triton_support, "available", lambda: True)
     on_cuda = SimpleNamespace(device=torch.device("cuda"), _check_triton_runs=None)
     assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, True)

@@ -1,9 +1,12 @@
-"""Triton under its CPU interpreter for the kernel tests (tests/test_triton_kernels.py, tests/test_triton_moe.py)."""
+"""Triton for the kernel tests: under its CPU interpreter (tests/test_triton_*.py), and the sm_90 compile of the
+compiled path, which never runs here."""
 from __future__ import annotations
 
 import importlib
 import inspect
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -90,3 +93,19 @@ def _patch_device_calls_once(mp: pytest.MonkeyPatch) -> None:
         return found
 
     mp.setattr(interpreter, "_get_np_dtype", cached_np_dtype)
+
+
+def compile_for_sm90(script: str, tmp_path) -> None:
+    """Run `script` (which compiles kernels with triton.compile for GPUTarget("cuda", 90, 32) and asserts on their
+    PTX) in a process of its own, where Triton is imported compiled, not interpreted; skipped on a Triton wheel
+    without its bundled ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    try:
+        get_ptxas_version(90)
+    except Exception as e:                                            # a Triton wheel without the CUDA tools
+        pytest.skip(f"no usable ptxas: {e}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=root, TRITON_CACHE_DIR=str(tmp_path))       # keep compiled kernels out of ~/.triton
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=root, env=env, timeout=300)

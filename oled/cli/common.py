@@ -60,6 +60,9 @@ FUSED_HELP = {
     "fused_attention": "each layer's attention over the KV cache as one Triton kernel (which key a query sees "
                        "computed in it, no mask tensor; the keys past the chunk's end skipped), instead of the mask and "
                        "torch's scaled_dot_product_attention",
+    "fused_linear": "the attention's QKV and output projections and the dense MLPs' and shared experts' GEMMs of a "
+                    "decode step (up to 64 rows; F.linear above) as a skinny Triton GEMM that reads each weight once "
+                    "(fp32 sums of exact products, in another order than cuBLAS's)",
 }
 
 

@@ -41,8 +41,9 @@ class ModelRunner:
     # --------------------------------------------------------------------------------------------- kernels
     def use_kernels(self, kernels: dict[str, bool], model_name: str = "the model") -> None:
         """The model's Triton kernels (EngineConfig.fused_*, resolved): the router, the norms with RoPE and the KV
-        write, the attention, the dense MLPs and shared experts, the LM head's confidence. The routed experts' kernels are the
-        manager's. Graphs captured before hold the old kernels: dropped."""
+        write, the attention, the dense MLPs and shared experts, the skinny GEMMs of a decode step, the LM head's
+        confidence. The routed experts' kernels are the manager's. Graphs captured before hold the old kernels:
+        dropped."""
         if kernels.get("fused_router"):
             if self.config.router != "sigmoid_group":
                 raise ValueError(f"--fused-router implements LLaDA2's sigmoid group routing; {model_name} routes "
@@ -53,6 +54,7 @@ class ModelRunner:
         self.model.use_fused_attention(bool(kernels.get("fused_attention")))
         if kernels.get("fused_mlp"):
             self.model.use_fused_mlp()
+        self.model.use_fused_linear(bool(kernels.get("fused_linear")))
         self.predict = torch_predict
         if kernels.get("fused_confidence"):
             from ..kernels.triton_confidence import predict

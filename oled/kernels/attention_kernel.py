@@ -14,16 +14,7 @@ a `for` over a runtime range under NumPy >= 2.4 (triton-lang/triton#9171).
 import triton
 import triton.language as tl
 
-from .kernel_math import round_to
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b with fp32 accumulation, fp32 inputs as exact FMAs (never TF32). The interpreter's dot multiplies
-    bf16 as raw uint16, so there the operands are widened first (exact), as in moe_kernel._dot."""
-    if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision="ieee")
+from .kernel_math import exact_dot, round_to
 
 
 @triton.jit
@@ -35,7 +26,7 @@ def _attend_tile(acc, row_max, row_sum, q, k_head, v_head, start, end, row_end, 
     loaded = key < end
     k = tl.load(k_head + key[None, :] * cache_pos_stride + d[:, None], mask=loaded[None, :] & d_ok[:, None],
                 other=0.0)                                                                  # [BLOCK_D, BLOCK_N]
-    scores = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRETED) * qk_scale
+    scores = exact_dot(q, k, tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRETED) * qk_scale
     scores = tl.where(key[None, :] < row_end[:, None], scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     # a row that has seen no key yet keeps max -inf: subtract 0 there, so exp2 gives 0 rather than NaN
@@ -47,24 +38,29 @@ def _attend_tile(acc, row_max, row_sum, q, k_head, v_head, start, end, row_end, 
                 other=0.0)                                                                  # [BLOCK_N, BLOCK_D]
     # P in the inputs' dtype for the second product, as flash attention (and SDPA's bf16 paths) do
     p = round_to(p, v.dtype, INTERPRETED).to(v.dtype)
-    acc = _dot(p, v, acc * rescale[:, None], INTERPRETED)
+    acc = exact_dot(p, v, acc * rescale[:, None], INTERPRETED)
     return acc, new_max, row_sum
 
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, positions_ptr, kv_end_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, positions_ptr, kv_end_ptr,
     q_head_stride, q_token_stride, cache_head_stride, cache_pos_stride, out_stride,
-    num_tokens, key_len, block_length, qk_scale,
+    num_tokens, num_heads, key_len, block_length, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """Grid (token blocks, KV heads): program (b, g) takes tokens b * BLOCK_T .. of query heads g * GROUP ..
-    (GROUP of them, BLOCK_G its power of two), row r of its tile being head r // BLOCK_T, token r % BLOCK_T.
+    """Grid (token blocks, KV heads, key splits): program (b, g, s) takes tokens b * BLOCK_T .. of query heads
+    g * GROUP .. (GROUP of them, BLOCK_G its power of two), row r of its tile being head r // BLOCK_T, token
+    r % BLOCK_T, and the s-th of SPLITS equal runs of key tiles up to the last key its rows see.
 
     q[h, t] (strided), k/v_cache[g, key] -> out[t, h * HEAD_DIM + d]: softmax(q k^T * scale) v over the keys the
     query at positions[t] sees, key < min(key_len, kv_end[()]) and, with BLOCK_CAUSAL, key // block_length <=
     positions[t] // block_length. qk_scale: the softmax scale times log2(e). A row that sees no key gets zeros.
+    SPLITS 1 writes out; more write each split's unnormalised sums and its running max and sum (fp32, [split, head,
+    token]) to the part_* buffers for combine_splits_kernel: a decode chunk is too few programs to fill the GPU, and
+    each walks its keys one dependent tile after another (flash-decoding's split).
     """
     kv_head = tl.program_id(1)
     row = tl.arange(0, BLOCK_G * BLOCK_T)
@@ -85,6 +81,13 @@ def attention_kernel(
         row_end = tl.minimum(row_end, (pos // block_length + 1) * block_length)
     row_end = tl.where(row_ok, row_end, 0)
     end = tl.max(row_end, axis=0)
+    if SPLITS > 1:
+        # whole tiles per split, so every split but the last starts and ends on a tile boundary
+        per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS) * BLOCK_N
+        first = tl.program_id(2) * per_split
+        end = tl.minimum(end, first + per_split)
+    else:
+        first = 0
 
     k_head = k_cache_ptr + kv_head.to(tl.int64) * cache_head_stride
     v_head = v_cache_ptr + kv_head.to(tl.int64) * cache_head_stride
@@ -92,16 +95,53 @@ def attention_kernel(
     row_max = tl.full([BLOCK_G * BLOCK_T], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G * BLOCK_T], tl.float32)
     if INTERPRETED:
-        start = 0
+        start = first
         while start < end:
             acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, k_head, v_head, start, end, row_end,
                                                  cache_pos_stride, qk_scale, d, d_ok, BLOCK_N, INTERPRETED)
             start += BLOCK_N
     else:
-        for start in range(0, end, BLOCK_N):
+        for start in range(first, end, BLOCK_N):
             acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, k_head, v_head, start, end, row_end,
                                                  cache_pos_stride, qk_scale, d, d_ok, BLOCK_N, INTERPRETED)
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]        # no key seen: acc is 0, so are its outputs
+    if SPLITS > 1:
+        part = (tl.program_id(2) * num_heads + head.to(tl.int64)) * num_tokens + token          # [split, head, token]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=here)
+        tl.store(part_max_ptr + part, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + part, row_sum, mask=row_ok)
+    else:
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]        # no key seen: acc is 0, so are its outputs
+        STORE = out_ptr.dtype.element_ty
+        tl.store(out_ptr + token[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+                 round_to(out, STORE, INTERPRETED).to(STORE), mask=here)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_tokens, num_heads, out_stride,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Grid (tokens,): the key splits of attention_kernel merged for every head of one token, in split order (so
+    every call sums alike): out = sum_s acc_s 2^(max_s - max) / sum_s sum_s 2^(max_s - max), max the largest."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    head_ok = head < num_heads
+    here = head_ok[:, None] & (d < HEAD_DIM)[None, :]
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(part_max_ptr + (s * num_heads + head) * num_tokens + token, mask=head_ok,
+                                      other=float("-inf")))
+    base = tl.where(top == float("-inf"), 0.0, top)     # a row that saw no key: every split's weight is 0
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = (s * num_heads + head) * num_tokens + token
+        weight = tl.exp2(tl.load(part_max_ptr + part, mask=head_ok, other=float("-inf")) - base)
+        total += tl.load(part_sum_ptr + part, mask=head_ok, other=0.0) * weight
+        acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=here, other=0.0) * weight[:, None]
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     STORE = out_ptr.dtype.element_ty
-    tl.store(out_ptr + token[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+    tl.store(out_ptr + token * out_stride + head[:, None] * HEAD_DIM + d[None, :],
              round_to(out, STORE, INTERPRETED).to(STORE), mask=here)

@@ -1,4 +1,5 @@
-"""Triton helpers the kernels share: rounding where the torch reference stores a value, and torch's SiLU.
+"""Triton helpers the kernels share: an exact-product dot, rounding where the torch reference stores a value, and
+torch's SiLU.
 
 Imports Triton unconditionally; only the kernel modules import it, and only when Triton is available.
 """
@@ -31,3 +32,16 @@ def round_to(x, dtype: tl.constexpr, BY_BITS: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
         return bits.to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def exact_dot(a, b, acc, WIDEN: tl.constexpr):
+    """acc + a @ b with fp32 accumulation and exact products: two bf16 (or two fp16) operands as they are (their
+    product fits in fp32) on the tensor cores, so only the order of the fp32 sums can differ from another GEMM's;
+    with WIDEN both widened to fp32 and multiplied as IEEE FMAs (never TF32): for fp32 or mixed operands, and under
+    the interpreter, whose dot multiplies bf16 as raw uint16."""
+    if WIDEN:       # (an `else`: Triton compiles what follows a constexpr-true `if ... return` as well)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc

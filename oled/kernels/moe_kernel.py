@@ -19,17 +19,7 @@ Triton software-pipelines, and which the interpreter can run (not a runtime-boun
 import triton
 import triton.language as tl
 
-from .kernel_math import round_to, silu
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b with fp32 accumulation. The interpreter's dot multiplies bf16 as raw uint16, so there the
-    operands are widened first: exact (a product of two bf16 or fp16 values fits in fp32), so only the order of
-    the fp32 sums can differ from the tensor cores'."""
-    if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision="ieee")
+from .kernel_math import exact_dot, round_to, silu
 
 
 @triton.jit
@@ -57,8 +47,8 @@ def _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, up_offset,
         if STORE:
             tl.store(cap_ptrs + k0, gate_w)
             tl.store(cap_ptrs + up_offset + k0, up_w)
-        acc_gate = _dot(xs, gate_w, acc_gate, INTERPRETED)
-        acc_up = _dot(xs, up_w, acc_up, INTERPRETED)
+        acc_gate = exact_dot(xs, gate_w, acc_gate, INTERPRETED)
+        acc_up = exact_dot(xs, up_w, acc_up, INTERPRETED)
     return acc_gate, acc_up
 
 
@@ -72,7 +62,7 @@ def _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER: tl.constexpr, BLOCK_M: tl.c
         down_w = tl.load(down_ptrs + k0)
         if STORE:
             tl.store(cap_ptrs + k0, down_w)
-        acc = _dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
+        acc = exact_dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
     return acc
 
 

@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .kernel_math import exact_dot
+
 
 @triton.jit
 def _sigmoid(x, PRECISE: tl.constexpr):
@@ -95,18 +97,6 @@ def sigmoid_group_route_kernel(
 
 
 @triton.jit
-def _dot(a, b, acc, WIDEN: tl.constexpr):
-    """acc + a @ b with fp32 accumulation and exact products: two bf16 (or two fp16) operands as they are (their
-    product fits in fp32) on the tensor cores; with WIDEN both widened to fp32 and multiplied as IEEE FMAs (never
-    TF32): for an fp32 or mixed pair, and under the interpreter, whose dot multiplies bf16 as raw uint16."""
-    if WIDEN:       # (an `else`: Triton compiles what follows a constexpr-true `if ... return` as well)
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def gate_partials_kernel(
     hidden_ptr, weight_ptr, out_ptr,
     num_tokens, num_experts, hidden_size, hidden_row_stride, weight_row_stride, split_stride,
@@ -114,7 +104,7 @@ def gate_partials_kernel(
     WIDEN: tl.constexpr,
 ):
     """LLaDA2's gate logits in fp32, in partial sums: grid (token blocks, expert blocks, splits); program (t, e, s)
-    writes out[s, tokens, experts] = hidden[tokens, K_s] @ weight[experts, K_s]^T (_dot: WIDEN for fp32 or mixed
+    writes out[s, tokens, experts] = hidden[tokens, K_s] @ weight[experts, K_s]^T (exact_dot: WIDEN for fp32 or mixed
     operands, and under the interpreter) over the s-th range K_s of
     K_PER_SPLIT hidden dims (the last one cut at hidden_size), walking it BLOCK_K at a time. The route kernel adds
     the splits. A 32-token decode step is one block of tokens, so the splits are what spread the 2,048-wide
@@ -131,7 +121,7 @@ def gate_partials_kernel(
                     mask=token_ok[:, None] & k_ok[None, :], other=0.0)                   # [BLOCK_T, BLOCK_K]
         w = tl.load(weight_ptr + expert.to(tl.int64)[None, :] * weight_row_stride + k[:, None],
                     mask=expert_ok[None, :] & k_ok[:, None], other=0.0)                  # [BLOCK_K, BLOCK_E]
-        acc = _dot(x, w, acc, WIDEN)
+        acc = exact_dot(x, w, acc, WIDEN)
     out = out_ptr + tl.program_id(2).to(tl.int64) * split_stride
     tl.store(out + token.to(tl.int64)[:, None] * num_experts + expert[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])

@@ -11,6 +11,9 @@ transpose and reshape for o_proj (EngineConfig.fused_attention).
   after a memset and ~6.5 us of idle GPU) and the copy of the transpose.
 - The key loop stops at the last key a program's rows see, read at run time, so a graph captured for a large
   key-length bucket does not pay for the padding past kv_end (SDPA attends over every key of the bucket, masked).
+- A decode chunk is 32 programs (LLaDA2.0-mini), each walking its keys one dependent tile after another, so its
+  keys are split over several programs (auto_splits: enough to fill the multiprocessors once) whose fp32 sums a
+  second launch merges in split order (flash-decoding); a prefill has programs enough and runs unsplit.
 
 Results are SDPA's up to the fp32 sums' order (keys in tiles, an online softmax) and, in bf16, where the
 probabilities are rounded to bf16 before the second product (as flash attention does): in fp32 they agree to about
@@ -19,6 +22,7 @@ makes: each query sees its own key) gets zeros, where SDPA gives NaN.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -26,7 +30,7 @@ import torch
 
 from .triton_support import available, check_device, interpreted
 
-__all__ = ["AttentionTiles", "available", "attention"]
+__all__ = ["AttentionTiles", "available", "attention", "auto_splits"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,6 +47,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key
     import triton
 
     from .attention_kernel import attention_kernel as kernel
+    from .attention_kernel import combine_splits_kernel
 
     if (q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[2]
             or q.shape[0] % k_cache.shape[0] or positions.shape != (q.shape[1],) or kv_end.dim() != 0):
@@ -65,16 +70,30 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key
     group = heads // kv_heads
     out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=q.device)
     if tokens:
-        tiles = tiles or default_tiles(tokens * group, interpreted(kernel))
+        interpreting = interpreted(kernel)
+        tiles = tiles or default_tiles(tokens * group, interpreting)
         block_t = _block_t(tiles.rows, tokens, group)
+        programs = triton.cdiv(tokens, block_t) * kv_heads
+        splits = tiles.splits or auto_splits(programs, key_len, tiles.block_n, q.device, interpreting)
         qk_scale = math.log2(math.e) / math.sqrt(head_dim)            # SDPA's default scale, for exp2
-        kernel[(triton.cdiv(tokens, block_t), kv_heads)](
-            q, k_cache, v_cache, out, positions, kv_end, q.stride(0), q.stride(1), k_cache.stride(0),
-            k_cache.stride(1), out.stride(0), tokens, key_len, block_length or 1, qk_scale,
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        if splits > 1:
+            part_acc = torch.empty(splits, heads, tokens, head_dim, dtype=torch.float32, device=q.device)
+            part_max, part_sum = (torch.empty(splits, heads, tokens, dtype=torch.float32, device=q.device)
+                                  for _ in "ms")
+        else:
+            part_acc = part_max = part_sum = out        # not read: the kernel writes out itself
+        kernel[(triton.cdiv(tokens, block_t), kv_heads, splits)](
+            q, k_cache, v_cache, out, part_acc, part_max, part_sum, positions, kv_end, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), out.stride(0), tokens, heads, key_len, block_length or 1, qk_scale,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_CAUSAL=block_length is not None, INTERPRETED=interpreted(kernel), num_warps=tiles.warps,
-            num_stages=tiles.stages)
+            BLOCK_N=tiles.block_n, BLOCK_D=block_d, BLOCK_CAUSAL=block_length is not None, SPLITS=splits,
+            INTERPRETED=interpreting, num_warps=tiles.warps, num_stages=tiles.stages)
+        if splits > 1:
+            combine_splits_kernel[(tokens,)](
+                part_acc, part_max, part_sum, out, tokens, heads, out.stride(0), HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=block_d, SPLITS=splits, INTERPRETED=interpreting,
+                num_warps=4)
     return out
 
 
@@ -83,21 +102,43 @@ class AttentionTiles(NamedTuple):
     block_n: int        # keys a tile
     warps: int
     stages: int
+    splits: int = 0     # programs a row's keys are split over (their sums merged by a second launch); 0: auto_splits
 
 
 def default_tiles(rows: int, interpreting: bool) -> AttentionTiles:
     """The tiles for a chunk of `rows` query rows a KV head (tokens x group). Compiled: a decode chunk (LLaDA2.0-mini:
-    32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, each one pass over its keys in tiles of
-    64; a prefill (2,048 rows a KV head and more) in programs of 128 rows and 8 warps, as Triton's flash-attention
-    tutorial has for head_dim 128. On the H200 (BENCHMARKS.md section 24) 16-row programs took 8.2 us a call in a
-    CUDA graph against 8.8 for 64 rows (32 tokens over 288 keys) and 71.7 against 67.9 (over 4,032 keys); in the
-    engine the kernel took 12.9 us a layer either way. Interpreted: the cost is per operation, so small tiles are
-    cheap, and 32 rows and 32 keys still split the tests' chunks and key ranges into several tiles."""
+    32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, their keys split by auto_splits, in
+    tiles of 64; a prefill (2,048 rows a KV head and more) in programs of 128 rows and 8 warps, as Triton's
+    flash-attention tutorial has for head_dim 128. On the H200 (BENCHMARKS.md section 24), unsplit, 16-row programs
+    took 8.2 us a call in a CUDA graph against 8.8 for 64 rows (32 tokens over 288 keys) and 71.7 against 67.9 (over
+    4,032 keys), about 1.1 us per tile of 64 keys walked one after another: in the engine (a 257-token prompt, 290
+    to 550 keys) 12.9 us a layer. Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and
+    32 keys still split the tests' chunks and key ranges into several tiles."""
     if interpreting:
         return AttentionTiles(rows=32, block_n=32, warps=1, stages=1)
     if rows >= 2048:
         return AttentionTiles(rows=128, block_n=64, warps=8, stages=2)
     return AttentionTiles(rows=16, block_n=64, warps=4, stages=2)
+
+
+MAX_SPLITS = 8
+
+
+def auto_splits(programs: int, key_len: int, block_n: int, device: torch.device, interpreting: bool) -> int:
+    """Key splits for a launch of `programs` (token blocks x KV heads): enough that the programs fill the device's
+    multiprocessors once, at most MAX_SPLITS and one a tile of the key_len bucket. The split is fixed when a graph is
+    captured, and the keys a forward really walks (to kv_end) are shared out at run time, so a bucket larger than
+    kv_end costs only splits with nothing to do. Interpreted: one (the tests ask for splits themselves)."""
+    import triton
+
+    if interpreting:
+        return 1
+    return max(1, min(MAX_SPLITS, _multiprocessors(device) // programs, triton.cdiv(key_len, block_n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_t(rows: int, tokens: int, group: int) -> int:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope
+from .layers import RMSNorm, apply_rope, linear
 
 
 class KeyVisibility(NamedTuple):
@@ -38,6 +38,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.fused = False      # the prologue (QK-norm, RoPE, cache write) as one Triton launch (set by the model)
         self.fused_attention = False    # softmax(QK^T)V over the cache as one Triton launch (set by the model)
+        self.fused_linear = False       # the QKV and output GEMMs of a decode step as the skinny Triton GEMM (set
+                                        # by the model)
 
     def forward(self, x, cos, sin, k_cache, v_cache, positions, key_len: int, visible: KeyVisibility):
         """x [T, H] at `positions` (a device tensor [T]); cos/sin: the chunk's RoPE rows [T, rotary] (torch path)
@@ -48,11 +50,11 @@ class Attention(nn.Module):
         it, which hides the padding past the chunk's last visible key: nothing here depends on where the chunk
         sits, so a CUDA graph of it serves every chunk of the same shape.
         """
-        T = x.shape[0]
+        T, skinny = x.shape[0], self.fused_linear
         if hasattr(self, "qkv"):
-            q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+            q, k, v = linear(x, self.qkv.weight, skinny).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (linear(x, proj.weight, skinny) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.fused:
             from ..kernels.triton_norm import qk_norm_rope
 
@@ -78,4 +80,4 @@ class Attention(nn.Module):
                 q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
                 attn_mask=visible.mask, enable_gqa=self.num_heads != self.num_kv_heads)
             out = out.squeeze(0).transpose(0, 1).reshape(T, self.q_dim)
-        return self.o_proj(out)
+        return linear(out, self.o_proj.weight, skinny)

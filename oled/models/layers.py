@@ -31,6 +31,19 @@ class RMSNorm(nn.Module):
         return self(total), total
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, skinny: bool) -> torch.Tensor:
+    """x @ weight^T, no bias. With `skinny` (EngineConfig.fused_linear) a 2-D x of up to triton_linear.MAX_ROWS rows
+    (a decode step) takes the skinny Triton GEMM, which reads the weight once; more rows (a prefill, where cuBLAS's
+    large tiles win) and `skinny` off take F.linear, what nn.Linear runs."""
+    if skinny:
+        from ..kernels.triton_linear import MAX_ROWS
+        from ..kernels.triton_linear import linear as skinny_linear
+
+        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return skinny_linear(x, weight)
+    return F.linear(x, weight)
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), no biases: the dense MLP, the shared expert, and (as a reference) one expert."""
 
@@ -40,6 +53,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up = None         # [gate; up] stacked, with the fused kernel (use_fused)
+        self.fused_linear = False   # its GEMMs of a decode step as the skinny Triton GEMM (set by the model)
 
     def use_fused(self) -> None:
         """Compute gate and up as one GEMM and SiLU * up as one Triton launch (oled/kernels/triton_mlp.py). The
@@ -53,11 +67,14 @@ class SwiGLU(nn.Module):
             self.gate_up = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skinny = self.fused_linear
         if self.gate_up is not None:
             from ..kernels.triton_mlp import silu_mul
 
-            return self.down_proj(silu_mul(F.linear(x, self.gate_up)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            act = silu_mul(linear(x, self.gate_up, skinny))
+        else:
+            act = F.silu(linear(x, self.gate_proj.weight, skinny)) * linear(x, self.up_proj.weight, skinny)
+        return linear(act, self.down_proj.weight, skinny)
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):

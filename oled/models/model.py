@@ -89,6 +89,14 @@ class MoEDiffusionLM(nn.Module):
             if isinstance(module, Attention):
                 module.fused_attention = on
 
+    def use_fused_linear(self, on: bool) -> None:
+        """The attention's QKV and output GEMMs and every SwiGLU's (the dense layers, the shared experts) of up to
+        triton_linear.MAX_ROWS rows as the skinny Triton GEMM (oled/kernels/triton_linear.py), or all as F.linear.
+        Not the LM head (cuBLAS reads its 157k-row weight at bandwidth) nor the router (its own kernel)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, SwiGLU)):
+                module.fused_linear = on
+
     def attention_mask(self, positions: torch.Tensor, kv_end: torch.Tensor, key_len: int,
                        block_length: int) -> torch.Tensor:
         """Additive mask over keys [0, key_len) in the model dtype (0: visible, -inf: hidden): key j is visible to
