@@ -15,7 +15,8 @@
 #          (default --fused: every Triton kernel), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
 #          KERNELS_CASES picks cases; the fused-MoE kernels at KERNEL_TILES' configurations too, when given; the
-#          attention kernel at ATTENTION_TILES' configurations, e.g. "rows=16 rows=64,block_n=32", when given)
+#          attention kernel at ATTENTION_TILES' configurations, e.g. "rows=16 rows=64,block_n=32", when given; the
+#          skinny GEMM at LINEAR_TILES' besides its defaults, e.g. "block_n=32 block_k=128,stages=3")
 #   overhead  where a forward's time goes: wall, GPU kernel time, launches, the kernels by GPU time, the floor from the
 #          weights touched, host steps, for full, lru and oled (benchmarks/offload_overhead.py; OVERHEAD_RUNS picks
 #          POLICY@BUDGET runs, OVERHEAD_MODES picks "fused" (the Triton kernels) and/or "plain" (torch's);
@@ -160,6 +161,7 @@ if has kernels; then
   tiles=""; for t in ${KERNEL_TILES:-}; do
     tiles="$tiles --moe-tiles $t"; done
   attn=""; for t in ${ATTENTION_TILES:-}; do attn="$attn --attention-tiles $t"; done
+  for t in ${LINEAR_TILES:-}; do attn="$attn --linear-tiles $t"; done
   timeout ${KERNELS_S:-120} python3 benchmarks/kernels_bench.py ${KERNELS_CASES:+--cases $KERNELS_CASES} $attn \
     --out $R/kernels.jsonl > $R/kernels.log 2>&1
   echo "kernels rc=$?"; tail -40 $R/kernels.log
