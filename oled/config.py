@@ -65,7 +65,8 @@ class EngineConfig:
     fused_attention: bool | None = None   # each layer's attention over the KV cache (SDPA and its mask) in one
                                           # launch, written as o_proj reads it
     fused_linear: bool | None = None      # the attention's QKV and output GEMMs and the dense MLPs' and shared
-                                          # experts' of up to 64 rows (a decode step) as a skinny Triton GEMM
+                                          # experts' of up to 64 rows (a decode step) as a skinny Triton GEMM;
+                                          # None is off: slower than cuBLAS on the H200 (Engine.OPT_IN)
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

@@ -149,11 +149,14 @@ class Engine:
                "fused_confidence": ("confidence_kernel", "scan_kernel"),
                "fused_attention": ("attention_kernel", "attention_kernel"),
                "fused_linear": ("linear_kernel", "skinny_linear_kernel")}
+    # kernels that stay off unless asked for: the skinny GEMM was slower than cuBLAS on the H200 (BENCHMARKS.md
+    # section 25: 510 us a forward against 399)
+    OPT_IN = frozenset({"fused_linear"})
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
         """Each Triton kernel on or off: as asked (one asked for is checked to run here first), or, left at None,
         on where Triton compiles for this device (the router: once the model is known to route as LLaDA2,
-        _settle_kernels)."""
+        _settle_kernels), except the OPT_IN ones, off."""
         from .kernels import triton_support
 
         auto = self.device.type == "cuda" and triton_support.available()
@@ -162,7 +165,7 @@ class Engine:
             asked = getattr(cfg, name)
             if asked:
                 self._check_triton_runs(f"--{name.replace('_', '-')}", *self.KERNELS[name])
-            picked[name] = auto if asked is None else bool(asked)
+            picked[name] = (auto and name not in self.OPT_IN) if asked is None else bool(asked)
         return picked
 
     def _mapped_misses(self) -> bool:

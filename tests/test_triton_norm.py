@@ -232,10 +232,12 @@ def test_the_kernels_are_on_by_default_with_cuda_only_and_follow_the_flags(norm,
     names = ("fused_router", "fused_moe", "fused_norm", "fused_mlp", "fused_confidence", "fused_attention",
              "fused_linear")
     monkeypatch.setattr(triton_support, "available", lambda: True)
-    on_cuda = SimpleNamespace(device=torch.device("cuda"), _check_triton_runs=None)
-    assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, True)
-    assert Engine._pick_kernels(on_cuda, EngineConfig(fused_mlp=False)) == dict(dict.fromkeys(names, True),
-                                                                                fused_mlp=False)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), _check_triton_runs=lambda *a: None,
+                              OPT_IN=Engine.OPT_IN, KERNELS=Engine.KERNELS)
+    by_default = dict(dict.fromkeys(names, True), fused_linear=False)      # the skinny GEMM only when asked for
+    assert Engine._pick_kernels(on_cuda, EngineConfig()) == by_default
+    assert Engine._pick_kernels(on_cuda, EngineConfig(fused_mlp=False)) == dict(by_default, fused_mlp=False)
+    assert Engine._pick_kernels(on_cuda, EngineConfig(fused_linear=True)) == dict.fromkeys(names, True)
     monkeypatch.setattr(triton_support, "available", lambda: False)          # a CUDA device without Triton
     assert Engine._pick_kernels(on_cuda, EngineConfig()) == dict.fromkeys(names, False)
     monkeypatch.undo()

@@ -49,6 +49,13 @@ class CudaGraphBackend:
     def capturing(self):
         if self.stream is None:
             self.stream = torch.cuda.Stream()
+            # cuBLAS creates its handles on first use, which a capture does not allow. The eager forward before the
+            # first capture used to create them, but one whose GEMMs all ran Triton kernels and that computed no
+            # logits (a short prompt's prefill with --fused-linear) never calls cuBLAS: the H200's TTFT run failed
+            # so. One small GEMM of each kind, eagerly, creates the cuBLAS and cuBLASLt handles.
+            a = torch.ones(16, 16, device="cuda")
+            torch.mm(a, a)
+            torch.mm(a.bfloat16(), a.bfloat16())
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         try:
@@ -144,12 +151,19 @@ class ForwardGraphs:
         mark = self.manager.routing_mark()
         try:
             with self.backend.capturing():
-                fwd.begin_segment()
-                if self.segmented:
-                    self.manager.host_boundary = fwd.boundary(self.manager)
-                fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows,
-                                         block_length=block_length)
-                fwd.end_segment()
+                try:
+                    fwd.begin_segment()
+                    if self.segmented:
+                        self.manager.host_boundary = fwd.boundary(self.manager)
+                    fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows,
+                                             block_length=block_length)
+                    fwd.end_segment()
+                except BaseException:
+                    # end the capture on its own stream before leaving it: an open capture makes the stream
+                    # switch back, and every later launch, fail ("operation not permitted when stream is
+                    # capturing", seen on the H200), so the eager fallback below could not run
+                    fwd.abort()
+                    raise
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
             # (host steps that already ran keep their effects: a failure past the first MoE layer of a segmented
             # capture counts those layers' statistics twice for this one forward)
