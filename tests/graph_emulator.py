@@ -19,12 +19,24 @@ HOST_READS = {torch.ops.aten._local_scalar_dense.default}
 
 
 class EmulatedGraphs:
-    def __init__(self, fail_capture: bool = False):
+    """fail_capture: False; True, a capture that cannot begin; "during", one whose first operation fails (as a cuBLAS
+    call that must create its handle does under CUDA capture)."""
+
+    def __init__(self, fail_capture: bool | str = False):
         self.fail_capture = fail_capture
         self.segments = self.released = 0
+        self.open = None                # the recording under way
+        self.left_open = 0              # captures still open when the capturing region ended
 
+    @contextlib.contextmanager
     def capturing(self):
-        return contextlib.nullcontext()
+        # under CUDA, leaving the capture stream with a capture open fails, and so does every launch after it: the
+        # emulator counts it, so a test can require that a failed capture is ended inside the region
+        try:
+            yield
+        finally:
+            if self.open is not None:
+                self.left_open += 1
 
     def new_graph(self, share_with=None):
         self.segments += 1
@@ -38,13 +50,15 @@ class _Recording:
         self.mode = None
 
     def begin(self):
-        if self.owner.fail_capture:
+        if self.owner.fail_capture is True:
             raise RuntimeError("operation not permitted when stream is capturing")
-        self.mode = _Recorder(self.ops)
+        self.mode = _Recorder(self.ops, fail=self.owner.fail_capture == "during")
         self.mode.__enter__()
+        self.owner.open = self
 
     def end(self):
         self.mode.__exit__(None, None, None)
+        self.owner.open = None
 
     def replay(self):
         with torch.inference_mode():
@@ -61,12 +75,14 @@ class _Recording:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, ops):
+    def __init__(self, ops, fail: bool = False):
         super().__init__()
-        self.ops = ops
+        self.ops, self.fail = ops, fail
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.fail:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
         if func in HOST_READS:
             raise RuntimeError("operation not permitted when stream is capturing (a host read)")
         out = func(*args, **kwargs)

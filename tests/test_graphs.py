@@ -134,15 +134,21 @@ def test_kv_cache_persists_and_grows(llm):
     assert longer.token_ids == eager.token_ids
 
 
-def test_failed_capture_falls_back_to_eager(llm, caplog):
+@pytest.mark.parametrize("fail", [True, "during"])
+def test_failed_capture_falls_back_to_eager(llm, caplog, fail):
+    """A capture that cannot begin, or whose first operation fails inside it: the forward and the rest run eagerly
+    with eager's tokens and statistics, and the failed capture is ended before the capturing region is left (under
+    CUDA an open capture makes the stream switch back and every later launch fail)."""
     llm.engine.set_runtime("full", "1.0")
     eager, eager_stats = _run(llm, None)
-    runner = _runner(llm, backend=EmulatedGraphs(fail_capture=True))
+    backend = EmulatedGraphs(fail_capture=fail)
+    runner = _runner(llm, backend=backend)
     with caplog.at_level("WARNING", logger="oled"):
         res, stats = _run(llm, runner)
     assert res.token_ids == eager.token_ids and stats == eager_stats
     assert not runner.graphs.enabled and runner.graphs.replays == 0
     assert "CUDA graph capture failed" in caplog.text
+    assert backend.left_open == 0 and backend.open is None
 
 
 def test_engine_uses_graphs_only_on_cuda(llm):
