@@ -6,9 +6,11 @@ these GEMMs, whose weights take 0.14 ms to read at 4.3 TB/s (BENCHMARKS.md secti
 bandwidth. This kernel aims at reading each weight once at close to that bandwidth: a program owns a few output
 features (block_n) for every row of the step and walks the whole reduction dimension, so a 2,048-feature weight
 spreads over 128 programs (oled/kernels/linear_kernel.py). Each program also reads all of x (from L2): 128 KiB at
-32 rows and K = 2,048, twice its share of the weight, the price of not splitting K. Its H200 figures are not
-measured yet: benchmarks/kernels_bench.py's `linear` case times it against F.linear, eager and in a CUDA graph, and
---linear-tiles compares tiles.
+32 rows and K = 2,048, twice its share of the weight, the price of not splitting K. On the H200 it did not beat
+cuBLAS (BENCHMARKS.md section 25): alone in a graph 0.58-1.09 x cuBLAS's speed (QKV at 32 rows 8.75 us against
+6.88), in the engine 510 us a forward against 399. So the engine leaves it off unless asked for (Engine.OPT_IN);
+benchmarks/kernels_bench.py's `linear` case times it against F.linear and --linear-tiles compares tiles, which were
+not swept there.
 
 Semantics: the products are exact (a product of two bf16 or two fp16 values fits in fp32; fp32 operands multiply
 as IEEE FMAs, never TF32) and the sums are fp32, in the kernel's own order (K tiles in sequence, each tile's sum in
@@ -79,7 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, tiles: LinearTiles | None = No
 
 
 def default_tiles(rows: int, n: int, k: int, interpreting: bool) -> LinearTiles:
-    """The tiles for x [rows, k] @ W[n, k]^T. Compiled (chosen by reasoning, not yet measured on the H200):
+    """The tiles for x [rows, k] @ W[n, k]^T. Compiled (chosen by reasoning; only these were timed on the H200):
     - block_n 16, or 32 where that still leaves _PROGRAMS feature blocks (LLaDA2.0-mini's dense gate|up, 10,240
       features): every program reads the whole of x (from L2), so fewer, wider programs read less of it, but
       below about one program a multiprocessor the weight's bytes stream through too few of them. Its 2,048- and
