@@ -710,29 +710,32 @@ def parse_tiles(spec: str):
     return MoeTiles(**parse_fields(spec))
 
 
+def with_fields(default, fields: dict[str, int]):
+    """The NamedTuple `default` with `fields` replaced; an unknown field is a ValueError naming the known ones."""
+    unknown = set(fields) - set(default._fields)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}: {type(default).__name__} has "
+                         f"{', '.join(default._fields)}")
+    return default._replace(**fields)
+
+
 def attention_tiles(fields: dict[str, int], tokens: int, heads: int = HEADS, kv_heads: int = KV_HEADS):
     """AttentionTiles with `fields`, the compiled default's for the shape for the others; None for no fields."""
-    from oled.kernels.triton_attention import AttentionTiles, default_tiles
+    from oled.kernels.triton_attention import default_tiles
 
     if not fields:
         return None
-    unknown = set(fields) - set(AttentionTiles._fields)
-    if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)}: AttentionTiles has {', '.join(AttentionTiles._fields)}")
-    return default_tiles(tokens * (heads // kv_heads), interpreting=False)._replace(**fields)
+    return with_fields(default_tiles(tokens * (heads // kv_heads), interpreting=False), fields)
 
 
 def linear_tiles(fields: dict[str, int] | None, rows: int, n: int, k: int):
     """LinearTiles with `fields`, the compiled default's for the shape for the others; None (the launcher's
     defaults) for None."""
-    from oled.kernels.triton_linear import LinearTiles, default_tiles
+    from oled.kernels.triton_linear import default_tiles
 
     if fields is None:
         return None
-    unknown = set(fields) - set(LinearTiles._fields)
-    if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)}: LinearTiles has {', '.join(LinearTiles._fields)}")
-    tiles = default_tiles(rows, n, k, interpreting=False)._replace(**fields)
+    tiles = with_fields(default_tiles(rows, n, k, interpreting=False), fields)
     if tiles.block_n < 16 or tiles.block_k < 16:
         raise ValueError(f"block_n and block_k must be at least 16, got {tiles.block_n} and {tiles.block_k}")
     return tiles

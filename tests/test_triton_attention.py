@@ -115,7 +115,7 @@ def test_auto_splits_fill_the_multiprocessors_once(monkeypatch):
     programs): 2; a prefill: 1; never more splits than key tiles, nor than MAX_SPLITS; interpreted: 1."""
     from oled.kernels import triton_attention as ta
 
-    monkeypatch.setattr(ta, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(ta, "multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
     assert ta.auto_splits(32, 512, 64, cuda, interpreting=False) == 4
     assert ta.auto_splits(64, 512, 64, cuda, interpreting=False) == 2

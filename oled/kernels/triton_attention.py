@@ -22,13 +22,12 @@ makes: each query sees its own key) gets zeros, where SDPA gives NaN.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 
-from .triton_support import available, check_device, interpreted
+from .triton_support import available, check_device, interpreted, multiprocessors
 
 __all__ = ["AttentionTiles", "available", "attention", "auto_splits"]
 
@@ -133,12 +132,7 @@ def auto_splits(programs: int, key_len: int, block_n: int, device: torch.device,
 
     if interpreting:
         return 1
-    return max(1, min(MAX_SPLITS, _multiprocessors(device) // programs, triton.cdiv(key_len, block_n)))
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, multiprocessors(device) // programs, triton.cdiv(key_len, block_n)))
 
 
 def _block_t(rows: int, tokens: int, group: int) -> int:

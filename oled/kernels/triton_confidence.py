@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import available, check_device, interpreted
+from .triton_support import available, check_device, interpreted, multiprocessors
 
 __all__ = ["available", "greedy_confidence", "predict"]
 
@@ -98,8 +98,7 @@ def _plan(rows: int, cols: int, block: int, splits: int | None, device: torch.de
         if interpreting or device.type != "cuda":
             splits = 1
         else:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            splits = triton.cdiv(_PROGRAMS_PER_SM * sms, rows)
+            splits = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors(device), rows)
     splits = max(1, min(splits, tiles))
     per_program = triton.cdiv(tiles, splits)
     return per_program, triton.cdiv(tiles, per_program)

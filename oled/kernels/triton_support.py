@@ -7,6 +7,7 @@ Triton is first imported, and the launchers ask the kernel object itself rather 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,3 +42,10 @@ def check_device(kernel, *tensors: torch.Tensor) -> None:
         if not t.is_cuda:
             raise ValueError(f"compiled Triton kernels need CUDA tensors, got one on {t.device} "
                              "(set TRITON_INTERPRET=1 before importing the kernels to run them on the CPU)")
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count, asked once per device (launchers that size their grids by it run
+    every forward)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
