@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--workload", default="code", help="decode the first prompt of this workload")
     ap.add_argument("--profile", action="store_true", help="the iterations' kernels under torch.profiler, after the timing")
+    ap.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
+                    help="the shared expert on the main stream (EngineConfig.shared_stream off)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -214,7 +216,8 @@ def main(argv=None) -> int:
     from oled.decoding.params import DecodeParams
     from oled.engine import Engine
 
-    engine = Engine(EngineConfig(random_weights=args.preset, policy="full", expert_budget="1.0"))
+    engine = Engine(EngineConfig(random_weights=args.preset, policy="full", expert_budget="1.0",
+                                 shared_stream=args.shared_stream))
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = load(args.workload, engine.tokenizer, limit=1).prompts[0].ids(engine.tokenizer)
     results = []

@@ -67,6 +67,9 @@ class EngineConfig:
     fused_linear: bool | None = None      # the attention's QKV and output GEMMs and the dense MLPs' and shared
                                           # experts' of up to 64 rows (a decode step) as a skinny Triton GEMM;
                                           # None is off: slower than cuBLAS on the H200 (Engine.OPT_IN)
+    # the shared expert on a second CUDA stream beside the routed experts, in the all-resident and mapped forwards
+    # (both graphs capture the fork); the same kernels on the same inputs, so the same bits
+    shared_stream: bool = True
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

@@ -204,3 +204,15 @@ def test_cpu_kernel_knobs_reach_the_kernel():
     store, device = llm.engine.store, llm.engine.device
     assert cache_key(store, kernel, device) != cache_key(store, other, device)
     other.close()
+
+
+def test_the_shared_stream_flag_reaches_the_engine_config():
+    """--no-shared-stream turns EngineConfig.shared_stream off (on by default) for every command that builds an
+    engine, `oled bench` included."""
+    from oled.cli import build_parser
+    from oled.cli.common import engine_config
+
+    parser, _ = build_parser()
+    assert engine_config(parser.parse_args(["generate", "hi"])).shared_stream is True
+    assert engine_config(parser.parse_args(["generate", "--no-shared-stream", "hi"])).shared_stream is False
+    assert parser.parse_args(["bench", "--no-shared-stream"]).shared_stream is False

@@ -112,3 +112,42 @@ def test_graphs_are_made_only_where_they_can_run():
     eng.set_runtime("lru", "0.25")
     runner.attach(eng.manager)
     assert runner.graphs is None                                  # offloaded, offload_graphs off
+
+
+class _SharedOrder(_Counting):
+    """A stand-in that records, per MoE layer, when the layer asks for its shared expert (shared_ahead, before it
+    routes) and when the backend runs it."""
+
+    def __init__(self, manager):
+        super().__init__(manager)
+        self.events = []
+
+    def shared_ahead(self, x, shared):
+        self.events.append(("ahead", len(self.layers)))
+        given = self.manager.shared_ahead(x, shared)
+
+        def run_shared(x):
+            self.events.append(("shared", len(self.layers)))
+            return given(x)
+        return run_shared
+
+
+def test_each_moe_layer_asks_for_its_shared_expert_before_it_routes_and_the_backend_runs_it_once():
+    """MoEBlock hands the backend its shared expert before routing (so a CUDA backend can queue it on a second
+    stream beside the router, ExpertManager.shared_ahead); the backend runs what it gets back exactly once, inside
+    the layer's run. On the CPU there is no second stream, and the tokens are the plain run's."""
+    llm = oled.LLM(device="cpu", dtype="float32", policy="full")       # the bundled model: one shared expert
+    eng = llm.engine
+    assert eng.cfg.shared_stream and eng.manager.shared_stream is None
+    assert all(b.shared is not None for b in eng.model.moe_blocks())
+    ids = eng.tokenizer.encode(PROMPT)
+    params = oled.DecodeParams(gen_length=32)
+    plain = generate(eng.runner, ids, params)
+    stand_in = _SharedOrder(eng.manager)
+    with eng.runner.borrowed(stand_in):
+        lent = generate(eng.runner, ids, params)
+    assert lent.token_ids == plain.token_ids
+    calls = len(stand_in.layers)
+    assert calls == len(eng.model.moe_blocks()) * (lent.nfe + lent.cache_forwards) > 0
+    # per layer call i: asked for before its run (i layers run so far), run inside it (i + 1 once run() counted it)
+    assert stand_in.events == [e for i in range(calls) for e in (("ahead", i), ("shared", i + 1))]

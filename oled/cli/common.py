@@ -113,6 +113,9 @@ def add_execution_args(g) -> None:
                         "into which the kernels write the misses they read from host memory, so a kept miss crosses "
                         "PCIe once (at most half the layer's slots; 0: kept misses are copied after the iteration; "
                         f"default {d.capture_slots})")
+    g.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
+                   help="compute the shared expert on the main stream, after the routed experts (default: on a "
+                        "second CUDA stream beside them, in the all-resident and mapped forwards)")
 
 
 def add_fused_args(g) -> None:
@@ -150,7 +153,7 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
-                        capture_slots=args.capture_slots, profile=getattr(args, "profile", False),
+                        capture_slots=args.capture_slots, shared_stream=args.shared_stream, profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

@@ -57,11 +57,24 @@ def check_cpu_wake(mode: str) -> None:
 FORWARD_HOLD_S = 1.0
 
 
+class _Forked:
+    """A shared expert's output computed on a side stream: called as the shared expert (on x, which it already
+    read), the current stream waits for the side's work and gets the output. No record_stream is needed: that wait
+    orders every later use and reuse of x, of the output and of their memory after the side's work."""
+
+    def __init__(self, out: torch.Tensor, stream):
+        self.out, self.stream = out, stream
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
+        return self.out
+
+
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
                  cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False,
-                 capture_slots: int = 0):
+                 capture_slots: int = 0, shared_stream: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -80,6 +93,10 @@ class ExpertManager:
             self.fused_swiglu, self.fused_combine = fused_swiglu_pairs, combine_pairs
             self.fused_swiglu_rows = mapped_rows(True)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # EngineConfig.shared_stream: the shared expert reads only the layer's input, so on the one-graph paths it runs
+        # on a second stream beside the router and the routed experts (a fork and a join a layer, which a graph
+        # captures; shared_ahead)
+        self.shared_stream = torch.cuda.Stream(self.device) if self.cuda and shared_stream else None
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
         self.predictors: dict[int, object] = {}                # layer -> router of that layer (for prefetch)
@@ -259,6 +276,18 @@ class ExpertManager:
         y_pairs = self._grouped_all(layer, x, ids, mapped=True, routing=(weights, routing))
         self._routing_log.append((layer, x.shape[0]))
         return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
+
+    def shared_ahead(self, x, shared):
+        """What the MoE layer passes to run() as its shared expert, called before the layer routes: on the one-graph
+        forwards (all-resident, mapped) with a shared stream, the shared expert queued there now, beside the router,
+        the alignment and the routed experts (small latency-bound kernels side by side); else `shared` itself, run
+        where run() runs it (the offloaded path queues it behind its hits, and a segmented graph must not leave a
+        fork open across a host step)."""
+        if self.shared_stream is None or not (self.all_resident or self._mapped_now):
+            return shared
+        self.shared_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.shared_stream):
+            return _Forked(shared(x), self.shared_stream)
 
     def _mapped_buffer(self, layer: int, tokens: int, top_k: int) -> torch.Tensor:
         """A mapped forward's routing buffer of (layer, tokens), _routing_buffer's layout, its own (the host round
