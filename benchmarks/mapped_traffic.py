@@ -43,15 +43,7 @@ class BlockStartOnHost:
 
 
 def load_costs(path: str | None) -> CostModel | None:
-    if path is None:
-        return None
-    text = open(path).read()
-    if path.endswith(".jsonl"):
-        model = next((row["cost_model"] for row in map(json.loads, text.splitlines()) if row.get("cost_model")), None)
-        if model is None:
-            raise SystemExit(f"{path}: no line carries a cost model")
-        return CostModel.from_dict(model)
-    return CostModel.from_json(text)
+    return None if path is None else CostModel.from_file(path)
 
 
 def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None,

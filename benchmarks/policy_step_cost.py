@@ -13,7 +13,6 @@ host step per layer behind the GPU (`Residency.decide_mapped`: the event, the de
 --capture-slots the captured experts and the freed slots).
 """
 import argparse
-import json
 import time
 
 from oled.runtime import planner
@@ -42,9 +41,7 @@ def main():
         kernel = CpuExpertKernel(num_threads=plan_threads().kernel_threads)
         kernel.hold(3600.0)
         print(f"{kernel.num_threads} CPU expert workers ({kernel.name}) polling on cpus {sorted(kernel.cpus)}")
-    with open(args.results) as f:
-        model = next(r["cost_model"] for r in map(json.loads, f) if r.get("cost_model"))
-    costs = CostModel.from_dict(model)
+    costs = CostModel.from_file(args.results)
     trace = Trace.load(args.trace).first_requests(args.requests)
     step = "decide_mapped" if args.mapped else "begin_layer"
     inner = getattr(Residency, step)

@@ -59,3 +59,26 @@ def test_the_cpu_slowdown_search_is_bounded_and_unpinned_copies_never_overlap(mo
     assert _slowdown(monkeypatch, needed=1e9, busy_times=[1e-3] * 10) == 1.0
     assert _FakeLoad.made == [0.5, 1.0, 2.0, 4.0, 8.0]
     assert _slowdown(monkeypatch, needed=0.5, busy_times=[], pinned=False) == 1.0 and _FakeLoad.made == []
+
+
+def test_a_cost_model_is_read_from_its_json_or_from_bench_results_plain_or_gzipped(tmp_path):
+    import gzip
+    import json
+
+    import pytest
+
+    from oled.runtime.cost_model import CostModel
+
+    from .costs import balanced_costs
+
+    model = balanced_costs(6 * 2**20)
+    (tmp_path / "costs.json").write_text(model.to_json())
+    lines = [json.dumps({"status": "ok"}), json.dumps({"status": "ok", "cost_model": model.to_dict()})]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(tmp_path / "results.jsonl.gz", "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    for name in ("costs.json", "results.jsonl", "results.jsonl.gz"):
+        assert CostModel.from_file(tmp_path / name).to_dict() == model.to_dict()
+    (tmp_path / "none.jsonl").write_text(lines[0] + "\n")
+    with pytest.raises(ValueError, match="no line carries a cost model"):
+        CostModel.from_file(tmp_path / "none.jsonl")

@@ -408,3 +408,39 @@ def test_a_mapped_read_waits_until_every_routing_value_has_landed():
     ExpertManager._await_routing(SimpleNamespace(_forward_end=end), buf)
     assert end.queries == 4 and (buf == MAPPED_UNSET).all()
 
+
+
+def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
+    """ReplayManager.replay(before_mapped) is called once per layer decided on the mapped path, with that run's
+    routing and the residency not yet changed, and leaves the statistics as they are; benchmarks/prefetch_coverage.py
+    counts from it the misses the recorded prediction names."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.trace import Trace
+    from oled.trace.replay import replay_manager
+
+    root = Path(__file__).parents[1]
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    mgr = replay_manager(trace, "lru", "0.5", mapped_rows=16, capture_slots=2)
+    seen = []
+
+    def hook(run, layer, ids):
+        assert int(trace.run_layer[run]) == layer and np.array_equal(trace.run_ids(run), ids)
+        seen.append((run, layer, sorted(mgr.cache.resident(layer))))
+
+    rows = mgr.replay(hook).to_rows()
+    plain = replay_manager(trace, "lru", "0.5", mapped_rows=16, capture_slots=2)
+    assert rows == plain.replay().to_rows()
+    mapped_layers = [r for r in rows if r["kind"] == "iteration"]
+    assert len(seen) == len(mapped_layers) > 0
+    # the residency the hook saw is the one before the layer's decision: its misses are the mapped ones
+    misses = sum(len(set(trace.run_ids(run).reshape(-1).tolist()) - set(resident)) for run, _, resident in seen)
+    assert misses == sum(r["experts_mapped"] for r in rows) > 0
+
+    spec = importlib.util.spec_from_file_location("prefetch_coverage", root / "benchmarks/prefetch_coverage.py")
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    row = coverage.coverage(trace, "lru", "0.5", None, 2)
+    assert 0 < row["misses"] <= misses and 0 <= row["named"] <= row["misses"]
+    assert row["named_not_needed"] <= row["named_not_resident"]

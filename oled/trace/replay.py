@@ -76,7 +76,9 @@ class ReplayManager:
             return t.run_ids(j)
         return None
 
-    def replay(self) -> RunStats:
+    def replay(self, before_mapped=None) -> RunStats:
+        """before_mapped(run, layer, ids): called before each layer decided on the mapped path, its residency not yet
+        changed (run: the trace's run index; an analysis hook, benchmarks/prefetch_coverage.py)."""
         t, policy, res = self.trace, self.policy, self.residency
         static_log: list[tuple[int, np.ndarray, np.ndarray]] = []
         all_resident = res.all_resident           # as the live manager's all-resident path
@@ -88,6 +90,8 @@ class ReplayManager:
                     static_log.append((layer, ids, t.run_weights(arg).copy()))
                     continue
                 if mapped:                        # as the live manager's mapped path: no prediction
+                    if before_mapped is not None:
+                        before_mapped(arg, layer, ids)
                     res.decide_mapped(layer, ids, t.run_weights(arg).copy())
                     continue
                 predicted = None
