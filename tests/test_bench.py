@@ -152,7 +152,19 @@ def test_render_cli(tmp_path):
     rows, series = _fixture_rows()
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["bench", "--render", str(tmp_path)]) == 0
-    assert (tmp_path / "report.md").is_file()
+    report = (tmp_path / "report.md").read_text()
+    assert "| lru | 10.50 ±0.20 | 14.00 ±0.20 |" in report
+
+
+def test_render_reads_gzipped_results_as_committed(tmp_path):
+    """Committed result folders keep results.jsonl gzipped (results.jsonl.gz): --render reads it the same."""
+    import gzip
+
+    from oled.cli import main
+    rows, series = _fixture_rows()
+    (tmp_path / "results.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert main(["bench", "--render", str(tmp_path)]) == 0
+    assert "| lru | 10.50 ±0.20 | 14.00 ±0.20 |" in (tmp_path / "report.md").read_text()
 
 
 def test_replay_grid(tmp_path):

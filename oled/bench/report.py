@@ -21,9 +21,18 @@ BREAKDOWN_LABELS = {"attention": "attention", "gpu_experts": "GPU experts", "cop
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
+    """The lines of a JSONL file, or of its gzipped copy (path + ".gz": committed results are kept gzipped); [] if
+    there is neither."""
+    import gzip
+
+    zipped = path.with_name(path.name + ".gz")
+    if path.is_file():
+        text = path.read_text()
+    elif zipped.is_file():
+        text = gzip.decompress(zipped.read_bytes()).decode()
+    else:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def load(out_dir) -> tuple[list[dict], list[dict], list[dict]]:
