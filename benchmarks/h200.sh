@@ -148,7 +148,7 @@ fi
 if has policy-step; then
   for workers in "" --polling-workers; do
     timeout ${STEP_S:-120} python3 benchmarks/policy_step_cost.py ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
-      ${STEP_COSTS:-benchmarks/results/h200/routing-chat-grid-9f25268/results.jsonl} --budget 0.4 \
+      ${STEP_COSTS:-benchmarks/results/h200/routing-chat-grid-9f25268/results.jsonl.gz} --budget 0.4 \
       --policies lru,oled-retain,oled,oled-coop $workers >> $R/policy-step.log 2>&1; echo "policy-step $workers rc=$?"
   done
   cat $R/policy-step.log

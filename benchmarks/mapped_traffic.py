@@ -6,7 +6,7 @@ is read: crosses once, but that many slots a layer stay empty). Bytes only, no t
 --gbps.
 
     python benchmarks/mapped_traffic.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 --policies lru,oled \
-        --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl
+        --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl.gz
 
 One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per
 denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count the trace's experts (a routing

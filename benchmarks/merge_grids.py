@@ -20,14 +20,14 @@ def key(row: dict) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", nargs="+", help="folders holding results.jsonl, earliest first")
+    ap.add_argument("dirs", nargs="+", help="folders holding results.jsonl (or results.jsonl.gz), earliest first")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     merged: dict[tuple, tuple[str, dict]] = {}
     for d in args.dirs:
         path = Path(d) / "results.jsonl"
-        if not path.is_file():
-            ap.error(f"{path}: no such file")
+        if not (path.is_file() or path.with_name(path.name + ".gz").is_file()):
+            ap.error(f"{path}: no such file (nor {path.name}.gz)")
         for row in read_jsonl(path):
             merged[key(row)] = (d, row)
     out = Path(args.out)

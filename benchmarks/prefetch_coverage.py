@@ -6,7 +6,7 @@ the experts it names that are not resident the layer then does not need (a prefe
 copy those for nothing). Counts only, no timing.
 
     python benchmarks/prefetch_coverage.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 \
-        --policies oled,lru --capture-slots 16 --costs benchmarks/results/h200/s26/call3/routing-grid/results.jsonl
+        --policies oled,lru --capture-slots 16 --costs benchmarks/results/h200/s26/call3/routing-grid/results.jsonl.gz
 """
 from __future__ import annotations
 

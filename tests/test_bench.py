@@ -1,6 +1,7 @@
 """oled bench: JSON lines with every field, the report from a small fixture, workloads, replay, skips."""
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 
@@ -331,7 +332,7 @@ def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
     spec = importlib.util.spec_from_file_location("merge_grids", root / "benchmarks" / "merge_grids.py")
     merge = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge)
-    rows = [json.loads(line) for line in open(root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl")]
+    rows = [json.loads(line) for line in gzip.open(root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl.gz", "rt")]
     first, second = tmp_path / "first", tmp_path / "second"
     for d in (first, second):
         d.mkdir()
