@@ -26,9 +26,10 @@ def main(argv=None) -> int:
     merged: dict[tuple, tuple[str, dict]] = {}
     for d in args.dirs:
         path = Path(d) / "results.jsonl"
-        if not (path.is_file() or path.with_name(path.name + ".gz").is_file()):
-            ap.error(f"{path}: no such file (nor {path.name}.gz)")
-        for row in read_jsonl(path):
+        rows = read_jsonl(path)
+        if not rows:
+            ap.error(f"{path}: no result lines (nor in {path.name}.gz)")
+        for row in rows:
             merged[key(row)] = (d, row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -332,7 +332,8 @@ def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
     spec = importlib.util.spec_from_file_location("merge_grids", root / "benchmarks" / "merge_grids.py")
     merge = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge)
-    rows = [json.loads(line) for line in gzip.open(root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl.gz", "rt")]
+    grid = root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl.gz"
+    rows = [json.loads(line) for line in gzip.open(grid, "rt")]
     first, second = tmp_path / "first", tmp_path / "second"
     for d in (first, second):
         d.mkdir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..textfile import read_results
 from .metrics import METRICS
 
 TABLES = ("tpot_ms", "tokens_per_s", "ms_per_forward", "hit_rate_tokens", "hit_rate_experts", "cache_utilization",
@@ -21,16 +22,10 @@ BREAKDOWN_LABELS = {"attention": "attention", "gpu_experts": "GPU experts", "cop
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The lines of a JSONL file, or of its gzipped copy (path + ".gz": committed results are kept gzipped); [] if
-    there is neither."""
-    import gzip
-
-    zipped = path.with_name(path.name + ".gz")
-    if path.is_file():
-        text = path.read_text()
-    elif zipped.is_file():
-        text = gzip.decompress(zipped.read_bytes()).decode()
-    else:
+    """The lines of a JSONL file, or of its gzipped copy (textfile.read_results); [] if there is neither."""
+    try:
+        text = read_results(path)
+    except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

@@ -153,7 +153,8 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
-                        capture_slots=args.capture_slots, shared_stream=args.shared_stream, profile=getattr(args, "profile", False),
+                        capture_slots=args.capture_slots, shared_stream=args.shared_stream,
+                        profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

@@ -42,8 +42,9 @@ programs for 132 SMs. BLOCK_M is fixed (not chosen from P) so that the MMA shape
 depend on the call's size. In a CUDA graph on the H200 the three launches take 61-90 µs for 32-47 experts (3.2-3.6
 TB/s, 1.2-1.3 x the weights' floor at 4.3 TB/s); of eight tile configurations (BENCHMARKS.md section 26:
 gate_up_n 16 / 32 / 64, gate_up_k and down_k 64 / 128 / 256, num_warps 4 / 8, num_stages 3 / 4 / 5) only
-num_stages 4 beat the first defaults: 3.6 % less time over the eight cases (up to 8 %, none 2 % slower). block_m 32 / 64 (prefill, hundreds of pairs an
-expert, where the weights are re-read per block and MMA efficiency starts to matter) is not measured.
+num_stages 4 beat the first defaults: 3.6 % less time over the eight cases (up to 8 %, none 2 % slower).
+block_m 32 / 64 (prefill, hundreds of pairs an expert, where the weights are re-read per block and MMA efficiency
+starts to matter) is not measured.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class MoeTiles:
     down_n: int = 64            # columns of H a program of launch 3 (H 2048: 32 programs an expert)
     down_k: int = 128           # I a step
     num_warps: int = 4
-    num_stages: int = 4         # 3.6 % less time than 3 over eight decode cases in a graph on the H200 (BENCHMARKS.md 26)
+    num_stages: int = 4         # 3.6 % less time than 3 over eight decode cases on the H200 (BENCHMARKS.md 26)
 
     def __post_init__(self):
         for name in ("block_m", "gate_up_n", "gate_up_k", "down_n", "down_k"):

@@ -175,13 +175,12 @@ class CostModel:
     def from_file(cls, path) -> "CostModel":
         """A cost model's JSON file, or an `oled bench` results.jsonl (gzipped if it ends in .gz) whose first line
         with a cost model gives it."""
-        import gzip
+        from ..textfile import read_results
 
-        path = str(path)
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            if not path.removesuffix(".gz").endswith(".jsonl"):
-                return cls.from_json(f.read())
-            model = next((row["cost_model"] for row in map(json.loads, f) if row.get("cost_model")), None)
+        text = read_results(path)
+        if not str(path).removesuffix(".gz").endswith(".jsonl"):
+            return cls.from_json(text)
+        model = next((row["cost_model"] for row in map(json.loads, text.splitlines()) if row.get("cost_model")), None)
         if model is None:
             raise ValueError(f"{path}: no line carries a cost model")
         return cls.from_dict(model)
