@@ -129,7 +129,9 @@ def sample(client, seed=None) -> tuple[str, int]:
 
 def test_sampling_without_seed_draws_one_per_request(client):
     (a, seed_a), (b, seed_b) = sample(client), sample(client)
-    assert seed_a != seed_b and a != b                 # not the fixed seed 0 of every call
+    assert seed_a != seed_b                            # not the fixed seed 0 of every call
+    # and the seed decides the sample (two random seeds' texts may coincide: the tiny model's samples repeat often)
+    assert len({sample(client, seed)[0] for seed in range(16)}) > 1
     assert sample(client, seed_a) == (a, seed_a)       # the reported seed reproduces the sample
     greedy = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).json()
     assert greedy["diffusion"]["seed"] is None
