@@ -206,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="the iterations' kernels under torch.profiler, after the timing")
     ap.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
                     help="the shared expert on the main stream (EngineConfig.shared_stream off)")
+    ap.add_argument("--no-shared-in-moe", dest="shared_in_moe", action="store_false",
+                    help="the shared expert with GEMMs of its own (EngineConfig.shared_in_moe off)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
     from oled.engine import Engine
 
     engine = Engine(EngineConfig(random_weights=args.preset, policy="full", expert_budget="1.0",
-                                 shared_stream=args.shared_stream))
+                                 shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe))
     params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
     prompt_ids = load(args.workload, engine.tokenizer, limit=1).prompts[0].ids(engine.tokenizer)
     results = []

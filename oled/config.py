@@ -70,6 +70,9 @@ class EngineConfig:
     # the shared expert on a second CUDA stream beside the routed experts, in the all-resident and mapped forwards
     # (both graphs capture the fork); the same kernels on the same inputs, so the same bits
     shared_stream: bool = True
+    # the shared expert computed by the fused MoE kernels (fused_moe) as one more expert of every token, in the
+    # launches of the layer's routed experts, on every path: no GEMMs, activation or stream of its own
+    shared_in_moe: bool = True
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 
     def to_dict(self) -> dict:

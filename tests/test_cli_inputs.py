@@ -206,13 +206,17 @@ def test_cpu_kernel_knobs_reach_the_kernel():
     other.close()
 
 
-def test_the_shared_stream_flag_reaches_the_engine_config():
-    """--no-shared-stream turns EngineConfig.shared_stream off (on by default) for every command that builds an
-    engine, `oled bench` included."""
+@pytest.mark.parametrize("flag,field", [("--no-shared-stream", "shared_stream"),
+                                        ("--no-shared-in-moe", "shared_in_moe")])
+def test_the_shared_expert_flags_reach_the_engine_config(flag, field):
+    """--no-shared-stream and --no-shared-in-moe turn their EngineConfig field off (on by default) for every command
+    that builds an engine, `oled bench` included."""
+    from oled.bench.runner import BenchConfig
     from oled.cli import build_parser
     from oled.cli.common import engine_config
 
     parser, _ = build_parser()
-    assert engine_config(parser.parse_args(["generate", "hi"])).shared_stream is True
-    assert engine_config(parser.parse_args(["generate", "--no-shared-stream", "hi"])).shared_stream is False
-    assert parser.parse_args(["bench", "--no-shared-stream"]).shared_stream is False
+    assert getattr(engine_config(parser.parse_args(["generate", "hi"])), field) is True
+    assert getattr(engine_config(parser.parse_args(["generate", flag, "hi"])), field) is False
+    assert getattr(parser.parse_args(["bench", flag]), field) is False
+    assert getattr(BenchConfig(), field) is True          # what `oled bench` hands each engine it builds

@@ -24,8 +24,8 @@ EVERY_LAYER = Counter({"triton:add_rms_norm_kernel": 2, GEMM: 2, "triton:qk_norm
                        "triton:attention_kernel": 1})       # two norms, QKV and output GEMMs, prologue, attention
 MOE_LAYER = Counter({"triton:gate_partials_kernel": 1,           # the gate GEMM, its partial sums
                      "triton:sigmoid_group_route_kernel": 1, "triton:align_pairs_kernel": 1,
-                     "triton:gate_up_kernel": 1, "triton:down_kernel": 1, "triton:combine_kernel": 1,
-                     GEMM: 2, "triton:silu_mul_kernel": 1})       # the shared expert: gate|up, SiLU * up, down
+                     "triton:gate_up_kernel": 1, "triton:down_kernel": 1, "triton:combine_kernel": 1})
+# (the shared expert: more pairs of the MoE kernels' launches, EngineConfig.shared_in_moe)
 DENSE_LAYER = Counter({GEMM: 2, "triton:silu_mul_kernel": 1})
 FORWARD = Counter({"embedding": 1, "full": 1, "arange": 1,       # no mask: the attention kernel computes it
                    "triton:add_rms_norm_kernel": 1, "linear": 1, "to": 1,           # final norm, LM head, fp32 logits

@@ -444,3 +444,41 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     row = coverage.coverage(trace, "lru", "0.5", None, 2)
     assert 0 < row["misses"] <= misses and 0 <= row["named"] <= row["misses"]
     assert row["named_not_needed"] <= row["named_not_resident"]
+
+
+@pytest.mark.parametrize("policy,budget,mapped", [("full", "1.0", False), ("lru", "0.5", True),
+                                                  ("lru", "0.5", False), ("oled-coop", "0.3", False)],
+                         ids=["all-resident", "mapped", "host-round-trip", "cpu-misses"])
+def test_the_shared_expert_in_the_moe_kernels_on_every_path(kernels, policy, budget, mapped):
+    """EngineConfig.shared_in_moe: each layer's shared expert is computed by the fused MoE kernels as one more expert
+    of every token (its weights one blob, the SwiGLU's three weights views of it), so its own module never runs, on
+    the all-resident, mapped, host round trip and CPU-miss paths alike; the tokens are those of the shared expert
+    computed by its own GEMMs (fp32)."""
+    from oled.models.layers import SwiGLU
+
+    tokens, calls = {}, []
+    original = SwiGLU.forward
+
+    def counted(self, x):
+        calls.append(self)
+        return original(self, x)
+
+    for in_moe in (True, False):
+        llm = _llm(policy, budget, mapped=mapped, shared_in_moe=in_moe)
+        manager = llm.engine.manager
+        shared = {b.shared for b in llm.engine.model.moe_blocks()}
+        assert None not in shared and manager.shared_in_moe == in_moe
+        assert manager.mapped == mapped and manager.all_resident == (policy == "full")
+        if in_moe:                       # the blob holds the weights, which are views of it
+            block = llm.engine.model.moe_blocks()[0]
+            blob = manager.shared_blobs[block.layer_idx]
+            assert blob is block.shared.blob and block.shared.down_proj.weight.data_ptr() == (
+                blob.data_ptr() + 2 * block.shared.gate_proj.weight.numel() * blob.element_size())
+        calls.clear()
+        SwiGLU.forward = counted
+        try:
+            tokens[in_moe] = _generate(llm, gen_length=8)
+        finally:
+            SwiGLU.forward = original
+        assert bool(shared & set(calls)) != in_moe
+    assert tokens[True] == tokens[False]

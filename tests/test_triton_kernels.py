@@ -376,36 +376,43 @@ COMPILE_SM90 = textwrap.dedent("""
     # the fused MoE at LLaDA2.0-mini's shapes with the launcher's default tiles (oled/kernels/triton_moe.py)
     # (the last: the mapped forward's, which stores the routing for the host as well)
     align_stores = {}
-    for lookup, mapped, capture, routing in ((False, False, False, False), (True, False, False, False),
-                                             (True, True, False, False), (True, True, True, False),
-                                             (True, True, True, True)):
+    # (the last: with the shared expert's pairs too)
+    for lookup, mapped, capture, routing, shared in ((False, False, False, False, False),
+                                                     (True, False, False, False, False),
+                                                     (True, True, False, False, False),
+                                                     (True, True, True, False, False),
+                                                     (True, True, True, True, False), (True, True, True, True, True)):
         align = build(align_pairs_kernel,
             {"pair_slots_ptr": "*i64", "slot_map_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32",
              "cursor_ptr": "*i32", "capture_ptr": "*i64", "block_capture_ptr": "*i32", "weights_ptr": "*fp32",
-             "routing_ptr": "*i32", "num_pairs": "i32", "num_slots": "i32", "slot_base": "i32", "host_bin": "i32",
-             "num_blocks": "i32", "num_capture": "i32"},
-            {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 512 if mapped else 256, "BLOCK_FILL": 1024,
-             "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8, "ROUTING": routing, "TOP_K": 8}, 4)
+             "routing_ptr": "*i32", "num_pairs": "i32", "num_routed": "i32", "num_slots": "i32", "slot_base": "i32",
+             "host_bin": "i32", "shared_bin": "i32", "num_blocks": "i32", "num_capture": "i32"},
+            {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 1024 if shared else 512 if mapped else 256,
+             "BLOCK_FILL": 1024, "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8,
+             "ROUTING": routing, "TOP_K": 8, "SHARED": shared}, 4)
         # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
         assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
-        align_stores[routing] = align["ptx"].count("st.global")
+        if not shared:
+            align_stores[routing] = align["ptx"].count("st.global")
     # the routing's stores (an id's two halves and its weight) only where asked for
     assert align_stores[True] > align_stores[False], align_stores
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
     blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32", "block_capture_ptr": "*i32"}
     stores = {}
-    for dtype, mapped, capture in (("bf16", False, False), ("fp32", False, False), ("bf16", True, False),
-                                   ("bf16", True, True)):
-        weights = dict(pool_ptr=f"*{dtype}", host_ptr=f"*{dtype}", pool_row_stride="i32", host_row_stride="i32",
-                       host_bin="i32")
+    for dtype, mapped, capture, shared in (("bf16", False, False, False), ("fp32", False, False, False),
+                                           ("bf16", True, False, False), ("bf16", True, True, False),
+                                           ("bf16", False, False, True), ("bf16", True, True, True)):
+        weights = dict(pool_ptr=f"*{dtype}", host_ptr=f"*{dtype}", shared_ptr=f"*{dtype}", pool_row_stride="i32",
+                       host_row_stride="i32", host_bin="i32", shared_bin="i32")
         gate_up = build(gate_up_kernel,
-            dict(blocks, **weights, x_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32", top_k="i32"),
-            dict(tiles, BLOCK_N=32, MAPPED=mapped, CAPTURE=capture), 4,
+            dict(blocks, **weights, x_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32", num_routed="i32",
+                 top_k="i32"),
+            dict(tiles, BLOCK_N=32, MAPPED=mapped, CAPTURE=capture, SHARED=shared), 4,
             aligned=("x_ptr", "pool_ptr", "host_ptr", "act_ptr", "x_row_stride", "pool_row_stride",
                      "host_row_stride"))
         down = build(down_kernel,
             dict(blocks, **weights, act_ptr=f"*{dtype}", out_ptr=f"*{dtype}", out_row_stride="i32"),
-            dict(tiles, BLOCK_N=64, MAPPED=mapped, CAPTURE=capture), 4,
+            dict(tiles, BLOCK_N=64, MAPPED=mapped, CAPTURE=capture, SHARED=shared), 4,
             aligned=("act_ptr", "pool_ptr", "host_ptr", "out_ptr", "pool_row_stride", "host_row_stride",
                      "out_row_stride"))
         for asm in (gate_up, down):
@@ -414,7 +421,7 @@ COMPILE_SM90 = textwrap.dedent("""
             # bf16 on the tensor cores; fp32 with input_precision="ieee" as exact FMAs, never TF32
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
             assert "tf32" not in asm["ptx"]
-        if mapped:            # a capture writes the weight tiles it read into the slot: more global stores
+        if mapped and not shared:            # a capture writes the weight tiles it read into the slot: more global stores
             stores[capture] = (gate_up["ptx"].count("st.global"), down["ptx"].count("st.global"))
     assert all(c > p for c, p in zip(stores[True], stores[False])), stores
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"

@@ -212,6 +212,9 @@ def test_misses_read_from_host_memory_equal_the_same_experts_in_slots(moe, resid
     on_host = {b - resident for b in bins if b >= resident}
     assert on_host == set(ids[slot_map[ids] < 0].tolist())
     assert {b for b in bins if b < resident} == set((slot_map[ids][slot_map[ids] >= 0] - base).tolist())
+    # the experts read from host memory own the first blocks (in id order), then the pool's slots (in slot order)
+    from_host = [b >= resident for b in bins]
+    assert from_host == sorted(from_host, reverse=True) and bins == sorted(bins, key=lambda b: (b < resident, b))
 
 
 def capture_call(moe, x, ids, pool, hidden, inter, base, slot_map, store, capture):
@@ -282,6 +285,73 @@ def test_explicit_host_slots_equal_the_slot_map_lookup(moe):
     got = fused(moe, x, explicit, pool, hidden, inter, slot_base=base, host=store)
     want = fused(moe, x, torch.where(explicit < 0, -1, ids + base), store, hidden, inter, slot_base=base)
     assert torch.equal(got, want) and (got[::4] == SENTINEL).all()
+
+
+def shared_call(moe, x, ids, pool, hidden, inter, shared, **kw):
+    """The call with the shared expert as T more pairs: [T * k + T, H], SENTINEL where nothing was written."""
+    out = torch.full((ids.shape[0] + x.shape[0], hidden), SENTINEL, dtype=x.dtype)
+    moe.run(x, ids, pool, hidden, inter, out, shared=shared, **kw)
+    return out
+
+
+@pytest.mark.parametrize("resident, tokens, k, mapped", [(5, 6, 4, False), (5, 6, 4, True), (0, 3, 2, True),
+                                                         (12, 40, 2, False), (0, 17, 1, False)],
+                         ids=["slots", "mapped", "none-resident-mapped", "many-tokens", "only-the-shared-expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_expert_as_more_pairs_of_the_same_call(moe, resident, tokens, k, mapped, dtype):
+    """shared: rows T * k + t hold the shared expert on x[t], with the bits of the same blob computed as a routed
+    expert (so the offloaded path, which computes it with its hits, and the one-graph paths agree); the routed rows
+    are those of the call without it, bit for bit, and the routing stored for the host is the routed pairs'
+    only. In fp32 the shared rows equal a per-pair loop."""
+    experts, hidden, inter, base = 12, 32, 16, 3
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k, dtype,
+                                                    seed=21)
+    if resident == 0 and not mapped:
+        ids = torch.full_like(ids, -1)                     # no routed pair has a slot: the shared expert alone
+    pool = store[held] if resident else store[:0]
+    shared = expert_pool(1, hidden, inter, dtype, seed=22)[0]
+    kw = dict(slot_base=base, slot_map=slot_map, host=store if mapped else None)
+    weights = torch.rand(tokens, k)
+    dst, dst_plain = (torch.full((tokens, 3 * k), -1, dtype=torch.int32) for _ in range(2))
+    got = shared_call(moe, x, ids, pool, hidden, inter, shared, routing=(weights, dst), **kw)
+    plain = fused(moe, x, ids, pool, hidden, inter, routing=(weights, dst_plain), **kw)
+    routed = ids.shape[0]
+    assert torch.equal(got[:routed], plain)
+    stored = torch.cat([ids.view(tokens, k).contiguous().view(torch.int32), weights.view(torch.int32)], 1)
+    assert torch.equal(dst, stored)
+    # the shared expert as a routed expert of its own: every token's pair in one slot
+    as_routed = fused(moe, x, torch.zeros(tokens, dtype=torch.int64), shared[None], hidden, inter)
+    assert torch.equal(got[routed:], as_routed)
+    if dtype == torch.float32:
+        assert_fp32_equal(got[routed:], per_pair(x, torch.zeros(tokens, dtype=torch.int64), shared[None], hidden,
+                                                 inter))
+
+
+def test_the_shared_expert_beside_captured_misses(moe):
+    """With capture, the shared expert's bin is never taken for a miss read from host memory: the captured slots
+    hold the misses in increasing id as without it, and every output row is the plain call's."""
+    experts, hidden, inter, base, resident, tokens, k, free = 12, 32, 16, 3, 5, 6, 4, 3
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k,
+                                                    torch.float32, seed=23)
+    pool = torch.cat([store[held], torch.full((free, store.shape[1]), SENTINEL)])
+    capture = torch.arange(free, dtype=torch.int64) + base + resident
+    shared = expert_pool(1, hidden, inter, seed=24)[0]
+    pools = pool.clone(), pool.clone()
+    got = shared_call(moe, x, ids, pools[0], hidden, inter, shared, slot_base=base, slot_map=slot_map, host=store,
+                      capture=capture)
+    plain = fused(moe, x, ids, pools[1], hidden, inter, slot_base=base, slot_map=slot_map, host=store,
+                  capture=capture)
+    assert torch.equal(got[:ids.shape[0]], plain) and torch.equal(pools[0], pools[1])
+    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    assert torch.equal(pools[0][resident], store[misses[0]])
+
+
+def test_the_shared_blob_must_match_the_pool(moe):
+    H, I = 32, 16
+    x, ids, pool = inputs(2, H), torch.tensor([0, 1]), expert_pool(2, H, I)
+    for shared, rows in ((pool[0], 2), (pool[0, :-1], 4), (pool[0].double(), 4), (pool[:1], 4)):
+        with pytest.raises(ValueError):
+            moe.run(x, ids, pool, H, I, torch.empty(rows, H), shared=shared)
 
 
 def test_host_memory_needs_the_store_layout(moe):

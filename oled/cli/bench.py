@@ -84,7 +84,7 @@ def run(args) -> int:
                       dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
                       cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
                       mapped_misses=args.mapped_misses, capture_slots=args.capture_slots,
-                      shared_stream=args.shared_stream,
+                      shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe,
                       fused=fused_fields(args), cpu_kernel=cpu_kernel_fields(args),
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,

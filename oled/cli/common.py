@@ -116,6 +116,9 @@ def add_execution_args(g) -> None:
     g.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
                    help="compute the shared expert on the main stream, after the routed experts (default: on a "
                         "second CUDA stream beside them, in the all-resident and mapped forwards)")
+    g.add_argument("--no-shared-in-moe", dest="shared_in_moe", action="store_false",
+                   help="compute the shared expert with GEMMs of its own (default: as one more expert of every "
+                        "token in the fused MoE kernels' launches, where those run)")
 
 
 def add_fused_args(g) -> None:
@@ -154,7 +157,7 @@ def engine_config(args) -> EngineConfig:
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
                         capture_slots=args.capture_slots, shared_stream=args.shared_stream,
-                        profile=getattr(args, "profile", False),
+                        shared_in_moe=args.shared_in_moe, profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

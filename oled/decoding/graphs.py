@@ -283,9 +283,8 @@ class _Forward:
             # allocated outside any capture, so no segment's memory pool owns it); the first wave's loads are a
             # segment of their own (captured even when this forward loads nothing: a later replay may); the finish
             # runs eagerly on the pair outputs; the combine opens the next segment. The shared expert is in the first
-            # segment, behind the hits: the GPU computes it while the host decides.
-            y_pairs = manager.begin_offloaded(layer, x, ids, weights)
-            shared_out = shared(x) if shared is not None else None
+            # segment, with or behind the hits: the GPU computes it while the host decides.
+            y_pairs, shared_out = manager.begin_offloaded(layer, x, ids, weights, shared)
             self.end_segment()
             decide = self.steps[-1] = _Decide(layer, x, ids)
             if not decide.run(manager):

@@ -72,6 +72,8 @@ class ModelRunner:
         for block in self.model.moe_blocks():
             block.experts = manager
             manager.predictors[block.layer_idx] = block.predicted_routing
+            if block.shared is not None and manager.shared_in_moe:
+                manager.use_shared_blob(block.layer_idx, block.shared.expert_blob())
         static = manager.all_resident
         if self.cuda_graphs and (static or self.offload_graphs):
             self.graphs = ForwardGraphs(self.model, manager, backend=self.graph_backend, segmented=not static,

@@ -14,14 +14,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, host_bin,
-             LOOKUP: tl.constexpr, MAPPED: tl.constexpr):
+def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_routed, num_slots, slot_base, host_bin, shared_bin,
+             LOOKUP: tl.constexpr, MAPPED: tl.constexpr, SHARED: tl.constexpr):
     """Each pair's bin (its slot relative to this pool), -1 for a pair without one (-1 in pair_slots, past the
     end, or a slot outside the pool, which is then never read). LOOKUP: pair_slots holds expert ids, and a pair's
     slot is slot_map[id] (the device slot map's row of the layer). MAPPED (with LOOKUP): a pair whose expert has
     no slot goes to bin host_bin + id, which the compute kernels read from the expert's blob in host memory (without
-    LOOKUP, num_slots counts those bins too: a pair slot slot_base + host_bin + id names one directly)."""
-    slot = tl.load(pair_slots_ptr + pair, mask=pair < num_pairs, other=-1)
+    LOOKUP, num_slots counts those bins too: a pair slot slot_base + host_bin + id names one directly). SHARED: the
+    pairs num_routed .. num_pairs - 1 (one a token, past the routed ones) are the shared expert's, bin shared_bin."""
+    slot = tl.load(pair_slots_ptr + pair, mask=pair < num_routed, other=-1)
     if LOOKUP:
         expert = slot
         slot = tl.load(slot_map_ptr + expert, mask=expert >= 0, other=-1)
@@ -33,24 +34,31 @@ def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base
     else:
         rel = slot - slot_base
         here = (slot >= 0) & (rel >= 0) & (rel < num_slots)
+    if SHARED:                  # a routed pair never lands in the shared expert's bin
+        shared = (pair >= num_routed) & (pair < num_pairs)
+        rel = tl.where(shared, shared_bin, rel)
+        here = (here & (rel < shared_bin)) | shared
     return tl.where(here, rel, -1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_slots", "slot_base", "host_bin", "num_blocks", "num_capture"])
+@triton.jit(do_not_specialize=["num_pairs", "num_routed", "num_slots", "slot_base", "host_bin", "shared_bin",
+                               "num_blocks", "num_capture"])
 def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
     weights_ptr, routing_ptr,
-    num_pairs, num_slots, slot_base, host_bin, num_blocks, num_capture,
+    num_pairs, num_routed, num_slots, slot_base, host_bin, shared_bin, num_blocks, num_capture,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
     LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr, BLOCK_R: tl.constexpr,
-    ROUTING: tl.constexpr, TOP_K: tl.constexpr,
+    ROUTING: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
 ):
     """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
     block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
-    slots (host_bin of them), and with MAPPED one bin an expert after them.
+    slots (host_bin of them), with MAPPED one bin an expert after them, and with SHARED the last one, shared_bin,
+    the shared expert's: pair_slots holds the num_routed routed pairs, and the pairs num_routed .. num_pairs - 1
+    are one a token of the shared expert (shared_bin is num_slots, no bin, without SHARED).
 
-    Slot s owns the rows from the sum of the padded counts of slots < s: its pairs, then -1 up to a multiple of
-    BLOCK_M. The order of a slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU),
+    Bins own consecutive rows, those of the experts read from host memory (bins host_bin .. shared_bin - 1) first,
+    then the others, each group in bin order: a bin's pairs, then -1 up to a multiple of BLOCK_M. The order of a slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU),
     which no result depends on: every row is computed on its own. block_slots[b] is the slot of rows
     b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1 for a block past the used rows (the compute kernels' programs
     for it return at once; its rows of sorted_pairs are never written or read).
@@ -76,7 +84,7 @@ def align_pairs_kernel(
     while start < num_pairs:
         if ROUTING:
             pair = start + lane
-            inside = pair < num_pairs
+            inside = pair < num_routed
             expert = tl.load(pair_slots_ptr + pair, mask=inside, other=0)
             weight = tl.load(weights_ptr + pair, mask=inside, other=0.0).to(tl.float32)
             row = (pair // TOP_K) * (3 * TOP_K)
@@ -84,13 +92,20 @@ def align_pairs_kernel(
             tl.store(routing_ptr + row + 2 * col, expert.to(tl.int32), mask=inside)
             tl.store(routing_ptr + row + 2 * col + 1, (expert >> 32).to(tl.int32), mask=inside)
             tl.store(routing_ptr + row + 2 * TOP_K + col, weight.to(tl.int32, bitcast=True), mask=inside)
-        slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_slots, slot_base, host_bin,
-                        LOOKUP, MAPPED)
+        slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_routed, num_slots, slot_base,
+                        host_bin, shared_bin, LOOKUP, MAPPED, SHARED)
         # masked-out lanes are 0, not -1: the interpreter's masked histogram takes them back off bin 0
         counts += tl.histogram(tl.where(slot >= 0, slot, 0), BLOCK_S, mask=slot >= 0)
         start += BLOCK_P
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
+    # the experts read from host memory first: their blocks are launched first, so their PCIe-bound reads overlap the
+    # pool's blocks instead of trailing them
+    on_pcie = (slots >= host_bin) & (slots < shared_bin)
+    padded_pcie = tl.where(on_pcie, padded, 0)
+    padded_rest = padded - padded_pcie
+    pcie_rows = tl.sum(padded_pcie, axis=0)
+    starts = tl.where(on_pcie, tl.cumsum(padded_pcie, axis=0) - padded_pcie,
+                      pcie_rows + tl.cumsum(padded_rest, axis=0) - padded_rest)
     used_rows = tl.sum(padded, axis=0)
 
     tl.store(cursor_ptr + slots, starts)
@@ -122,7 +137,8 @@ def align_pairs_kernel(
         readers = tl.sum(tl.where(slots[None, :] == cap_bin[:, None], counts[None, :], 0), axis=1)
         usable = (cap >= 0) & (readers == 0)
         usable_rank = tl.cumsum(usable.to(tl.int32), axis=0) - 1
-        on_host = (slots >= host_bin) & (counts > 0)         # bins host_bin + id: in increasing expert id
+        # bins host_bin + id, in increasing expert id (not the shared expert's, after them)
+        on_host = (slots >= host_bin) & (slots < shared_bin) & (counts > 0)
         rank = tl.cumsum(on_host.to(tl.int32), axis=0) - 1
         match = on_host[:, None] & usable[None, :] & (usable_rank[None, :] == rank[:, None])
         slot_of_bin = tl.sum(tl.where(match, cap_bin[None, :] + 1, 0), axis=1) - 1   # -1: no usable slot left
@@ -131,8 +147,8 @@ def align_pairs_kernel(
     start = 0
     while start < num_pairs:
         pair = start + lane
-        slot = _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_slots, slot_base, host_bin, LOOKUP,
-                        MAPPED)
+        slot = _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_routed, num_slots, slot_base, host_bin,
+                        shared_bin, LOOKUP, MAPPED, SHARED)
         placed = slot >= 0
         row = tl.atomic_add(cursor_ptr + tl.where(placed, slot, 0), 1, mask=placed, sem="relaxed")
         tl.store(sorted_pairs_ptr + row, pair, mask=placed)

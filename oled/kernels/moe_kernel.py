@@ -10,6 +10,8 @@ never on the other rows of its block, so it does not depend on which other pairs
 With MAPPED, a block whose bin is host_bin or more is an expert without a slot: its weights are read from its blob
 in (pinned, mapped) host memory, host_ptr's row bin - host_bin, by the same loads in the same order, so a pair
 gives the same bits from host memory as from a slot.
+With SHARED, the block whose bin is shared_bin reads the shared expert's blob (gate | up | down, as a slot's), and
+its pairs, past the routed ones, are one a token.
 With CAPTURE, block_capture[block] >= 0 names a slot of the pool (one no pair of the call reads) that the block's
 programs copy the weight tiles they read into (the first block of an expert read from host memory: the alignment
 chose it), so that the expert ends up resident, its bytes having crossed PCIe once.
@@ -23,12 +25,17 @@ from .kernel_math import exact_dot, round_to, silu
 
 
 @triton.jit
-def _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED: tl.constexpr):
-    """The start of the blob of a block's bin: a slot of the pool, or with MAPPED an expert's row in host memory."""
+def _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
+             MAPPED: tl.constexpr, SHARED: tl.constexpr):
+    """The start of the blob of a block's bin: a slot of the pool, with MAPPED an expert's row in host memory, with
+    SHARED the shared expert's blob (bin shared_bin)."""
     blob = pool_ptr + slot.to(tl.int64) * pool_row_stride
     if MAPPED:
         if slot >= host_bin:
             blob = host_ptr + (slot - host_bin).to(tl.int64) * host_row_stride
+    if SHARED:
+        if slot == shared_bin:
+            blob = shared_ptr
     return blob
 
 
@@ -77,16 +84,18 @@ def _capture_slot(block_capture_ptr, block, CAPTURE: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, act_ptr,
-    x_row_stride, pool_row_stride, host_row_stride, host_bin, top_k,
+    x_ptr, pool_ptr, host_ptr, shared_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, act_ptr,
+    x_row_stride, pool_row_stride, host_row_stride, host_bin, shared_bin, num_routed, top_k,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr,
 ):
     """act[row, n] = silu(x[token] . gate[n]) * (x[token] . up[n]) for the block's rows and BLOCK_N columns n of
     the intermediate, in one pass over the hidden dimension (gate and up tiles read side by side).
 
-    Rows are in sorted_pairs' order; act has num_blocks * BLOCK_M rows of INTER (padding rows get zeros).
+    Rows are in sorted_pairs' order; act has num_blocks * BLOCK_M rows of INTER (padding rows get zeros). A routed
+    pair p < num_routed is token p // top_k's; with SHARED a pair p >= num_routed is the shared expert's on token
+    p - num_routed.
     """
     block = tl.program_id(0)
     slot = tl.load(block_slots_ptr + block)
@@ -95,12 +104,16 @@ def gate_up_kernel(
     row = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pairs_ptr + row)
     has_pair = (pair >= 0)[:, None]
-    token = tl.where(pair >= 0, pair // top_k, 0).to(tl.int64)
+    token = pair // top_k
+    if SHARED:
+        token = tl.where(pair >= num_routed, pair - num_routed, token)
+    token = tl.where(pair >= 0, token, 0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
 
     # the blob's gate rows [INTER, HIDDEN] then up rows: tile [BLOCK_K, BLOCK_N] of gate^T and of up^T
-    blob = _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED)
+    blob = _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
+                    MAPPED, SHARED)
     gate_ptrs = blob + n[None, :] * HIDDEN + k[:, None]
     up_ptrs = gate_ptrs + INTER * HIDDEN
     x_ptrs = x_ptr + token[:, None] * x_row_stride + k[None, :]
@@ -124,11 +137,11 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, pool_ptr, host_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, out_ptr,
-    pool_row_stride, host_row_stride, host_bin, out_row_stride,
+    act_ptr, pool_ptr, host_ptr, shared_ptr, sorted_pairs_ptr, block_slots_ptr, block_capture_ptr, out_ptr,
+    pool_row_stride, host_row_stride, host_bin, shared_bin, out_row_stride,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr, CAPTURE: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr,
 ):
     """out[pair, n] = act[row] . down[n] for the block's rows that hold a pair and BLOCK_N columns n of the
     hidden dimension: written straight to the pair's row of out, every other row of out untouched."""
@@ -142,7 +155,8 @@ def down_kernel(
     k = tl.arange(0, BLOCK_K)
 
     # the blob's down matrix [HIDDEN, INTER] after gate and up: tile [BLOCK_K, BLOCK_N] of down^T
-    blob = _weights(pool_ptr, host_ptr, slot, pool_row_stride, host_row_stride, host_bin, MAPPED)
+    blob = _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
+                    MAPPED, SHARED)
     down_ptrs = blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     act_ptrs = act_ptr + row[:, None] * INTER + k[None, :]
     cap = _capture_slot(block_capture_ptr, block, CAPTURE)

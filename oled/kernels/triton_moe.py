@@ -4,12 +4,14 @@ oled.runtime.grouped.grouped_swiglu followed by its index_copy_.
 For every (token, expert) pair p = t * k + j whose slot s = pair_slots[p] is in the pool,
     out[p] = down_s( silu(gate_s x[t]) * up_s x[t] )
 and every other row of `out` is left as it was. The pool holds one layer's slots, a blob a row:
-gate [I, H] | up [I, H] | down [H, I].
+gate [I, H] | up [I, H] | down [H, I]. Given the shared expert's blob (same layout), rows T * k + t get
+shared(x[t]) in the same launches: T more pairs in a bin of their own, after the routed ones.
 
 Launches, the same three whatever the routing, with shapes fixed by (T, k, S) alone (no host synchronisation,
 so a CUDA graph captures them and replays them with other routing):
   1. align (oled/kernels/moe_align_kernel.py, one program): pairs grouped by slot (a histogram, a prefix sum,
-     an atomic cursor a slot), each slot's rows padded to a multiple of BLOCK_M with -1, and a table
+     an atomic cursor a slot; experts read from host memory first, so their PCIe-bound blocks start first), each
+     slot's rows padded to a multiple of BLOCK_M with -1, and a table
      block -> slot; sized for the worst case, P + min(P, S) * (BLOCK_M - 1) rows, so blocks past the used
      rows are marked empty;
   2. gate|up (oled/kernels/moe_kernel.py): a program per (block, BLOCK_N columns of I): x rows gathered by
@@ -99,7 +101,8 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
                        intermediate: int, out: torch.Tensor, *, slot_base: int = 0,
                        tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None,
                        host: torch.Tensor | None = None, capture: torch.Tensor | None = None,
-                       routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                       routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       shared: torch.Tensor | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -118,10 +121,16 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     the call reads, in their order, so they are resident after the call without a copy; the caller makes slot_map
     say so (and drops the slots' old experts). With routing = (weights [T, k], dst) as well (slot_map given), the
     alignment also stores the call's ids and weights into dst for the host (align_pairs), no launch added.
+    With shared ([3 * I * H], the shared expert's blob, laid out as a slot's, in pool's dtype on its device), the
+    shared expert is computed in the same launches as T more pairs, one a token: out then has T * k + T rows, and
+    row T * k + t gets shared(x[t]) (the same bits as a routed pair of those weights: one more bin, read once per
+    block of its rows).
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
-    x, pair_slots = _check(x, pair_slots, pool, hidden, intermediate, out, slot_base)
+    x, pair_slots = _check(x, pair_slots, pool, hidden, intermediate, out, slot_base,
+                           shared_rows=0 if shared is None else x.shape[0])
+    _check_shared(shared, pool)
     check_device(gate_up_kernel, x, pair_slots, pool, out)
     _check_host(host, slot_map, pool, gate_up_kernel)
     if capture is not None and (host is None or slot_map is None or capture.dim() != 1
@@ -129,29 +138,32 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
         raise ValueError("capture needs slot_map and host, and is a [R] int64 tensor on the pool's device")
     num_slots = pool.shape[0]
     mapped = host is not None
-    if pair_slots.shape[0] == 0 or (num_slots == 0 and not mapped):
+    if pair_slots.shape[0] == 0 or (num_slots == 0 and not mapped and shared is None):
         return
     top_k = pair_slots.shape[0] // x.shape[0]
     block_m = tiles.block_m
-    bins = num_slots + (host.shape[0] if mapped else 0)       # the pool's slots, then one bin an expert on the host
+    # the pool's slots, then one bin an expert on the host, then the shared expert's
+    bins = num_slots + (host.shape[0] if mapped else 0) + (shared is not None)
+    shared_bin = bins - 1 if shared is not None else bins
     sorted_pairs, block_slots, block_capture = align_pairs(
         pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots, mapped=mapped and slot_map is not None,
-        capture=capture, routing=routing)
+        capture=capture, routing=routing, shared_tokens=0 if shared is None else x.shape[0])
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
-    host = host if mapped else pool                             # not read without MAPPED
     launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                  MAPPED=mapped, CAPTURE=capture is not None)
+                  MAPPED=mapped, CAPTURE=capture is not None, SHARED=shared is not None)
+    host = host if mapped else pool                             # not read without MAPPED
+    shared = pool if shared is None else shared                 # not read without SHARED
     n_up, k_up = _fit(tiles.gate_up_n, intermediate), _fit(tiles.gate_up_k, hidden)
     gate_up_kernel[(num_blocks, intermediate // n_up)](
-        x, pool, host, sorted_pairs, block_slots, block_capture, act, x.stride(0), pool.stride(0), host.stride(0),
-        num_slots,
-        top_k, HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
+        x, pool, host, shared, sorted_pairs, block_slots, block_capture, act, x.stride(0), pool.stride(0),
+        host.stride(0), num_slots, shared_bin, pair_slots.shape[0], top_k,
+        HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_up, BLOCK_K=k_up, **launch)
     n_down, k_down = _fit(tiles.down_n, hidden), _fit(tiles.down_k, intermediate)
     down_kernel[(num_blocks, hidden // n_down)](
-        act, pool, host, sorted_pairs, block_slots, block_capture, out, pool.stride(0), host.stride(0), num_slots,
-        out.stride(0),
+        act, pool, host, shared, sorted_pairs, block_slots, block_capture, out, pool.stride(0), host.stride(0),
+        num_slots, shared_bin, out.stride(0),
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
 
 
@@ -188,8 +200,8 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tenso
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
                 slot_map: torch.Tensor | None = None, *, host_bin: int | None = None, mapped: bool = False,
-                capture: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capture: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                shared_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
     -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
     oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
@@ -198,12 +210,15 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     none) with capture (the armed slots, see fused_swiglu_pairs), else block_slots itself (never read).
     routing = (weights, dst), with slot_map: weights [T, k] (any float dtype, T * k = P) and dst [T, 3 * k] int32
     (contiguous; for a compiled kernel pinned host memory, or on the pairs' device) get the call's routing as the
-    kernel's docstring lays it out (the ids' int64 halves, then the weights' fp32 bits), in the same launch."""
+    kernel's docstring lays it out (the ids' int64 halves, then the weights' fp32 bits), in the same launch.
+    shared_tokens T > 0: the last of the num_slots bins is the shared expert's, and T pairs P .. P + T - 1 (past
+    pair_slots' P) are placed in it, one a token."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
 
-    num_pairs, device = pair_slots.shape[0], pair_slots.device
+    num_routed, device = pair_slots.shape[0], pair_slots.device
+    num_pairs = num_routed + shared_tokens
     rows = padded_rows(num_pairs, num_slots, block_m)
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
     block_slots = torch.empty(rows // block_m, dtype=torch.int32, device=device)
@@ -217,11 +232,11 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     top_k = 1
     if routing is not None:
         top_k = weights.shape[-1] if weights.dim() == 2 else 0
-        if (slot_map is None or top_k == 0 or weights.numel() != num_pairs or not weights.is_floating_point()
-                or dst.dtype != torch.int32 or tuple(dst.shape) != (num_pairs // top_k, 3 * top_k)
+        if (slot_map is None or top_k == 0 or weights.numel() != num_routed or not weights.is_floating_point()
+                or dst.dtype != torch.int32 or tuple(dst.shape) != (num_routed // top_k, 3 * top_k)
                 or not dst.is_contiguous()):
             raise ValueError(f"routing must be (weights [T, k] float, dst [T, 3k] int32 contiguous) with slot_map "
-                             f"for {num_pairs} pairs, got {tuple(weights.shape)} {weights.dtype} and "
+                             f"for {num_routed} pairs, got {tuple(weights.shape)} {weights.dtype} and "
                              f"{tuple(dst.shape)} {dst.dtype}")
         if (not interpreted(align_pairs_kernel) and dst.device != device
                 and not (dst.device.type == "cpu" and dst.is_pinned())):
@@ -229,13 +244,14 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
         weights = weights.contiguous()
     align_pairs_kernel[(1,)](
         pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor,
-        pair_slots if capture is None else capture, block_capture, weights, dst, num_pairs,
-        num_slots, slot_base, num_slots if host_bin is None else host_bin, block_slots.shape[0],
+        pair_slots if capture is None else capture, block_capture, weights, dst, num_pairs, num_routed,
+        num_slots, slot_base, num_slots if host_bin is None else host_bin,
+        num_slots - 1 if shared_tokens else num_slots, block_slots.shape[0],
         0 if capture is None else capture.shape[0],
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
         BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
         BLOCK_R=max(2, triton.next_power_of_2(0 if capture is None else capture.shape[0])),
-        ROUTING=routing is not None, TOP_K=top_k, num_warps=4)
+        ROUTING=routing is not None, TOP_K=top_k, SHARED=shared_tokens > 0, num_warps=4)
     return sorted_pairs, block_slots, block_capture
 
 
@@ -260,9 +276,19 @@ def _fit(tile: int, dim: int) -> int:
     return tile
 
 
-def _check(x, pair_slots, pool, hidden, intermediate, out, slot_base):
+def _check_shared(shared, pool) -> None:
+    """shared: None, or the shared expert's blob [3 * I * H], contiguous, in pool's dtype on pool's device."""
+    if shared is None:
+        return
+    if (shared.dim() != 1 or shared.shape[0] != pool.shape[1] or shared.stride(0) != 1 or shared.dtype != pool.dtype
+            or shared.device != pool.device):
+        raise ValueError(f"shared must be a contiguous [{pool.shape[1]}] {pool.dtype} blob on {pool.device}, got "
+                         f"{tuple(shared.shape)} {shared.dtype} on {shared.device}")
+
+
+def _check(x, pair_slots, pool, hidden, intermediate, out, slot_base, shared_rows: int = 0):
     """Shapes, dtypes, devices and layouts, one ValueError each; returns x and pair_slots with unit inner
-    stride (copied if needed: the kernels index them flat)."""
+    stride (copied if needed: the kernels index them flat). out has shared_rows rows past the pairs'."""
     tensors = {"x": x, "pair_slots": pair_slots, "pool": pool, "out": out}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -283,8 +309,9 @@ def _check(x, pair_slots, pool, hidden, intermediate, out, slot_base):
     if pool.dim() != 2 or pool.shape[1] != 3 * intermediate * hidden or pool.stride(1) != 1:
         raise ValueError(f"pool must be [S, {3 * intermediate * hidden}] with contiguous rows, got "
                          f"{tuple(pool.shape)} strides {pool.stride()}")
-    if out.shape != (num_pairs, hidden) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{num_pairs}, {hidden}] with contiguous rows, got {tuple(out.shape)} "
+    if out.shape != (num_pairs + shared_rows, hidden) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{num_pairs + shared_rows}, {hidden}] with contiguous rows, got "
+                         f"{tuple(out.shape)} "
                          f"strides {out.stride()}")
     if x.dtype not in _DTYPES or pool.dtype != x.dtype or out.dtype != x.dtype:
         raise ValueError(f"x, pool and out must share one of {[str(d) for d in _DTYPES]}, got {x.dtype}, "

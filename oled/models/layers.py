@@ -53,18 +53,29 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up = None         # [gate; up] stacked, with the fused kernel (use_fused)
+        self.blob = None            # gate | up | down as one contiguous blob (expert_blob)
         self.fused_linear = False   # its GEMMs of a decode step as the skinny Triton GEMM (set by the model)
+
+    def expert_blob(self) -> torch.Tensor:
+        """The weights as one contiguous blob, gate [I, H] | up [I, H] | down [H, I]: a routed expert's layout in the
+        store and the slot pool, so the fused MoE kernels can compute this MLP as one more expert (the shared
+        expert, ExpertManager). Made once; the three weights become views of it, so no weight is held twice."""
+        if self.blob is None:
+            weights = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+            with torch.no_grad():
+                blob = torch.cat([w.reshape(-1) for w in weights])
+            views = blob.split([w.numel() for w in weights])
+            for proj, w, view in zip((self.gate_proj, self.up_proj, self.down_proj), weights, views):
+                proj.weight = nn.Parameter(view.view_as(w), requires_grad=False)
+            self.blob = blob
+        return self.blob
 
     def use_fused(self) -> None:
         """Compute gate and up as one GEMM and SiLU * up as one Triton launch (oled/kernels/triton_mlp.py). The
-        stacked weight is made once; gate_proj and up_proj become views of it, so no weight is held twice."""
+        stacked weight is a view of the blob (expert_blob), so no weight is held twice."""
         if self.gate_up is None:
-            with torch.no_grad():
-                stacked = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-            inter = self.gate_proj.weight.shape[0]
-            self.gate_proj.weight = nn.Parameter(stacked[:inter], requires_grad=False)
-            self.up_proj.weight = nn.Parameter(stacked[inter:], requires_grad=False)
-            self.gate_up = stacked
+            inter, hidden = self.gate_proj.weight.shape
+            self.gate_up = self.expert_blob()[: 2 * inter * hidden].view(2 * inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skinny = self.fused_linear

@@ -74,7 +74,7 @@ class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
                  cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False,
-                 capture_slots: int = 0, shared_stream: bool = False):
+                 capture_slots: int = 0, shared_stream: bool = False, shared_in_moe: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -97,6 +97,11 @@ class ExpertManager:
         # on a second stream beside the router and the routed experts (a fork and a join a layer, which a graph
         # captures; shared_ahead)
         self.shared_stream = torch.cuda.Stream(self.device) if self.cuda and shared_stream else None
+        # EngineConfig.shared_in_moe: the fused MoE kernels compute each layer's shared expert as one more expert of
+        # every token, from its blob (layer -> blob, given by the model runner: use_shared_blob), in the launches of
+        # the layer's hits, on every path: no GEMMs, activation or stream of its own
+        self.shared_in_moe = bool(shared_in_moe) and self.fused_swiglu is not None
+        self.shared_blobs: dict[int, torch.Tensor] = {}
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
         self.predictors: dict[int, object] = {}                # layer -> router of that layer (for prefetch)
@@ -238,14 +243,21 @@ class ExpertManager:
         out = (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
         return out if shared_out is None else out + shared_out
 
+    def use_shared_blob(self, layer: int, blob: torch.Tensor) -> None:
+        """With shared_in_moe, `layer`'s shared expert is computed by the fused MoE kernels from `blob` (its weights
+        in a routed expert's layout, SwiGLU.expert_blob) instead of by the callable run() gets."""
+        if self.shared_in_moe:
+            self.shared_blobs[layer] = blob
+
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared=None) -> torch.Tensor:
         """Output of one MoE layer: sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), + shared(x) when the layer has a
-        shared expert (a callable on x). The manager runs the shared expert where it costs least: in an offloaded
-        layer, on the GPU while the host decides the misses."""
+        shared expert (a callable on x). The manager runs the shared expert where it costs least: in the fused
+        kernels of the layer's hits with shared_in_moe, else in an offloaded layer on the GPU while the host decides
+        the misses."""
         if self.all_resident:
-            y_pairs = self._grouped_all(layer, x, ids)      # every expert is resident: one wave
+            y_pairs, shared_out = self._grouped_all(layer, x, ids, shared)     # every expert is resident: one wave
             self._routing_log.append((layer, ids, weights))
-            return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
+            return self.combine(y_pairs, weights, shared_out)
         if self._mapped_now:
             return self.run_mapped(layer, x, ids, weights, shared)
         if self.host_boundary is not None:        # a segmented graph capture ends its segment here
@@ -273,9 +285,9 @@ class ExpertManager:
         # in the graph (BENCHMARKS.md section 23).
         routing = self._mapped_buffer(layer, ids.shape[0], ids.shape[1])
         self._readback[layer, x.shape[0], False, False, True] = ([routing], None, False, False)
-        y_pairs = self._grouped_all(layer, x, ids, mapped=True, routing=(weights, routing))
+        y_pairs, shared_out = self._grouped_all(layer, x, ids, shared, mapped=True, routing=(weights, routing))
         self._routing_log.append((layer, x.shape[0]))
-        return self.combine(y_pairs, weights, shared(x) if shared is not None else None)
+        return self.combine(y_pairs, weights, shared_out)
 
     def shared_ahead(self, x, shared):
         """What the MoE layer passes to run() as its shared expert, called before the layer routes: on the one-graph
@@ -283,7 +295,7 @@ class ExpertManager:
         the alignment and the routed experts (small latency-bound kernels side by side); else `shared` itself, run
         where run() runs it (the offloaded path queues it behind its hits, and a segmented graph must not leave a
         fork open across a host step)."""
-        if self.shared_stream is None or not (self.all_resident or self._mapped_now):
+        if self.shared_stream is None or self.shared_in_moe or not (self.all_resident or self._mapped_now):
             return shared
         self.shared_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.shared_stream):
@@ -316,8 +328,7 @@ class ExpertManager:
           2. host: the policy decides the misses; copies and CPU jobs start; the first wave's loads get slots;
           3. device: the first wave's loads are computed (skipped when the layer loads nothing);
           4. host: further waves, prefetches for the next layer, statistics, the CPU jobs' results."""
-        y_pairs = self.begin_offloaded(layer, x, ids, weights)
-        shared_out = shared(x) if shared is not None else None      # queued behind the hits, before the host waits
+        y_pairs, shared_out = self.begin_offloaded(layer, x, ids, weights, shared)
         load_slots = self._staging_device(f"load_slots{layer}", ids.numel())
         work = self.decide_offloaded(layer, x, load_slots)
         if work.loads_first:
@@ -325,13 +336,14 @@ class ExpertManager:
         self.end_offloaded(work, x, y_pairs)
         return self.combine(y_pairs, weights, shared_out)
 
-    def begin_offloaded(self, layer, x, ids, weights) -> torch.Tensor:
+    def begin_offloaded(self, layer, x, ids, weights, shared=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Device part one: issue the routing's read-back into pinned buffers (with an event the host waits on), then
-        compute every pair whose expert the device slot map holds. Returns the pair outputs ([T*k, H]; rows of pairs
-        served later are unspecified until then)."""
+        compute every pair whose expert the device slot map holds, and the shared expert (`shared`, a callable on x,
+        or None), queued behind them, before the host waits. Returns the pair outputs ([T*k, H]; rows of pairs
+        served later are unspecified until then) and the shared expert's output (None without one)."""
         self._issue_readback(layer, x, ids, weights, cpu_input=self.policy.uses_cpu,
                              predict=self.policy.wants_prediction)
-        return self._grouped_all(layer, x, ids)
+        return self._grouped_all(layer, x, ids, shared)
 
     def _routing_buffer(self, layer: int, tokens: int, top_k: int) -> torch.Tensor:
         """The pinned buffer a layer's routing of `tokens` rows is read back into: [T, 3k] int32, the ids' int64
@@ -438,26 +450,34 @@ class ExpertManager:
         base = self.layer_pos[layer] * self.cache.capacity
         return base, self.cache.pool[base:base + self.cache.capacity]
 
-    def _grouped_all(self, layer, x, ids, mapped: bool = False, routing=None) -> torch.Tensor:
+    def _grouped_all(self, layer, x, ids, shared=None, mapped: bool = False, routing=None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The grouped compute of every pair whose expert the device slot map holds, one output row per (token,
         expert) pair; rows of pairs without one are unspecified, or with `mapped` computed from the pinned store.
         The kernels and shapes do not depend on the routing, so a graph replays them. The fused kernels look the
         slots up in the map themselves; with routing = (weights, buffer) their alignment also writes the routing
-        into the buffer (_routing_buffer's layout)."""
+        into the buffer (_routing_buffer's layout). Returns the pair outputs and the shared expert's output: from
+        the same launches when the layer's blob is in shared_blobs, else shared(x) after them (None: no shared
+        expert)."""
         flat = ids.reshape(-1)
         pos = self.layer_pos[layer]
         row = self.slot_map[pos]
-        y_pairs = torch.empty(flat.shape[0], self.hidden, dtype=x.dtype, device=x.device)
+        blob = self.shared_blobs.get(layer) if shared is not None else None
+        rows = flat.shape[0] + (x.shape[0] if blob is not None else 0)      # the shared expert's rows last
+        y = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
+        y_pairs = y[: flat.shape[0]]
         if self.fused_swiglu is not None:
             with self._section("gpu_experts"):
                 base, pool = self._pool(layer)
-                self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y_pairs, slot_base=base, slot_map=row,
+                self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y, slot_base=base, slot_map=row,
                                   host=self.store.blobs[pos] if mapped else None,
                                   capture=self.capture_table[pos] if mapped and self.capture_table is not None
-                                  else None, routing=routing)
-            return y_pairs
-        self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
-        return y_pairs
+                                  else None, routing=routing, shared=blob)
+        else:
+            self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
+        if blob is not None:
+            return y_pairs, y[flat.shape[0]:]
+        return y_pairs, shared(x) if shared is not None else None
 
     def end_offloaded(self, work: "OffloadedLayer", x, y_pairs) -> None:
         """Host part two: further waves (eagerly, into y_pairs), prefetches for the next layer, statistics, and the
