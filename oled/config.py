@@ -67,11 +67,13 @@ class EngineConfig:
     fused_linear: bool | None = None      # the attention's QKV and output GEMMs and the dense MLPs' and shared
                                           # experts' of up to 64 rows (a decode step) as a skinny Triton GEMM;
                                           # None is off: slower than cuBLAS on the H200 (Engine.OPT_IN)
-    # the shared expert on a second CUDA stream beside the routed experts, in the all-resident and mapped forwards
-    # (both graphs capture the fork); the same kernels on the same inputs, so the same bits
+    # where the shared expert has GEMMs of its own (shared_in_moe off, or torch's MoE path): on a second CUDA stream
+    # beside the routed experts, in the all-resident and mapped forwards (both graphs capture the fork); the same
+    # kernels on the same inputs, so the same bits
     shared_stream: bool = True
     # the shared expert computed by the fused MoE kernels (fused_moe) as one more expert of every token, in the
-    # launches of the layer's routed experts, on every path: no GEMMs, activation or stream of its own
+    # launches of the layer's routed experts, on every path: no GEMMs, activation or stream of its own (4.7 % less
+    # time a forward on the H200, BENCHMARKS.md section 27)
     shared_in_moe: bool = True
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 

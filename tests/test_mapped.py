@@ -446,6 +446,38 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     assert row["named_not_needed"] <= row["named_not_resident"]
 
 
+def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
+    """benchmarks/forced_misses.py: a layer routing to U distinct experts with S slots misses at least U - S, so the
+    forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
+    expert in a slot, and no more than belady's loads (or any policy's misses) in the same replay."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.trace import Trace
+    from oled.trace.format import KINDS
+    from oled.trace.replay import replay_manager
+
+    root = Path(__file__).parents[1]
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    spec = importlib.util.spec_from_file_location("forced_misses", root / "benchmarks/forced_misses.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    experts = trace.header["model"]["num_experts"]
+    assert script.forced_misses(trace, "1.0", 1)["forced_misses_per_iteration"] == 0
+    row = script.forced_misses(trace, "0.3", 1)
+    slots = row["slots_per_layer"]
+    assert 0 < slots < experts
+    iterations = {int(f) for f in np.nonzero(trace.fwd_kind == KINDS.index("iteration"))[0]}
+    forced = sum(max(0, len(np.unique(trace.run_ids(run))) - slots) for run in range(len(trace.run_layer))
+                 if int(trace.run_forward[run]) in iterations)
+    assert row["iterations"] == len(iterations) and forced > 0
+    assert row["forced_misses_per_iteration"] == pytest.approx(forced / len(iterations))
+    assert row["forced_gb_per_iteration"] == pytest.approx(forced / len(iterations) / 1e9)
+    lru = replay_manager(trace, "lru", "0.3")
+    lru.replay()
+    assert forced / len(iterations) <= row["belady_loads_per_iteration"] <= lru.stats.summary()["loads_per_iteration"]
+
+
 @pytest.mark.parametrize("policy,budget,mapped", [("full", "1.0", False), ("lru", "0.5", True),
                                                   ("lru", "0.5", False), ("oled-coop", "0.3", False)],
                          ids=["all-resident", "mapped", "host-round-trip", "cpu-misses"])
