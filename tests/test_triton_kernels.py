@@ -421,7 +421,7 @@ COMPILE_SM90 = textwrap.dedent("""
             # bf16 on the tensor cores; fp32 with input_precision="ieee" as exact FMAs, never TF32
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
             assert "tf32" not in asm["ptx"]
-        if mapped and not shared:            # a capture writes the weight tiles it read into the slot: more global stores
+        if mapped and not shared:   # a capture writes the weight tiles it read into the slot: more global stores
             stores[capture] = (gate_up["ptx"].count("st.global"), down["ptx"].count("st.global"))
     assert all(c > p for c, p in zip(stores[True], stores[False])), stores
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"

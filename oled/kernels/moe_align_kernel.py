@@ -58,10 +58,11 @@ def align_pairs_kernel(
     are one a token of the shared expert (shared_bin is num_slots, no bin, without SHARED).
 
     Bins own consecutive rows, those of the experts read from host memory (bins host_bin .. shared_bin - 1) first,
-    then the others, each group in bin order: a bin's pairs, then -1 up to a multiple of BLOCK_M. The order of a slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU),
-    which no result depends on: every row is computed on its own. block_slots[b] is the slot of rows
-    b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1 for a block past the used rows (the compute kernels' programs
-    for it return at once; its rows of sorted_pairs are never written or read).
+    then the others, each group in bin order: a bin's pairs, then -1 up to a multiple of BLOCK_M. The order of a
+    slot's pairs is the atomics' (pair order under the interpreter, any order on a GPU), which no result depends on:
+    every row is computed on its own. block_slots[b] is the slot of rows b*BLOCK_M .. b*BLOCK_M + BLOCK_M - 1, or -1
+    for a block past the used rows (the compute kernels' programs for it return at once; its rows of sorted_pairs
+    are never written or read).
 
     CAPTURE (with MAPPED): capture [num_capture <= BLOCK_R] int64 holds slots of the pool (absolute, as
     slot_map's; -1 for none): free ones, or ones whose expert the host would evict next. A slot is usable if no pair
@@ -98,8 +99,9 @@ def align_pairs_kernel(
         counts += tl.histogram(tl.where(slot >= 0, slot, 0), BLOCK_S, mask=slot >= 0)
         start += BLOCK_P
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    # the experts read from host memory first: their blocks are launched first, so their PCIe-bound reads overlap the
-    # pool's blocks instead of trailing them
+    # the experts read from host memory first: their blocks are launched first, so their PCIe-bound reads start before
+    # the pool's blocks rather than after them (no gain measured in an isolated call: the reads are bound by PCIe's
+    # bandwidth, not by when they start; BENCHMARKS.md section 27)
     on_pcie = (slots >= host_bin) & (slots < shared_bin)
     padded_pcie = tl.where(on_pcie, padded, 0)
     padded_rest = padded - padded_pcie
