@@ -14,7 +14,10 @@ activity (kernel or copy) and the next, summed per forward by the pair of names 
 a forward is pinned to what comes before and after it.
 
     python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--profile]
-        [--out FILE.json]
+        [--routing TRACE] [--out FILE.json]
+
+--routing TRACE decodes the trace's first request with its routing and commits replayed (as `oled bench --routing`,
+oled/trace/source.py) on the preset's real-size experts: learned routing's misses, split the same way.
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ from collections import defaultdict
 import torch
 
 
-def measure(engine, prompt_ids, params, label: str) -> dict:
-    engine.generate_ids(prompt_ids, params)                  # warm-up: graph captures
+def measure(engine, decode, label: str) -> dict:
+    """decode(): one generate of the request (a GenerationResult)."""
+    decode()                                                 # warm-up: graph captures
     torch.cuda.synchronize()
     runner = engine.runner
     inner = runner.forward
@@ -73,7 +77,7 @@ def measure(engine, prompt_ids, params, label: str) -> dict:
 
     runner.forward = timed
     try:
-        res = engine.generate_ids(prompt_ids, params)
+        res = decode()
         torch.cuda.synchronize()
     finally:
         del runner.forward                                   # the instance attributes shadowed the methods
@@ -120,7 +124,7 @@ def host_tails(host_marks, steady: list[bool]) -> dict:
             "host_end_forward_to_next_ms": med(to_next) if to_next else None}
 
 
-def profile_decode(engine, prompt_ids, params, top: int = 20) -> dict:
+def profile_decode(engine, decode, top: int = 20) -> dict:
     """One generate under torch.profiler, started as the first denoising iteration is handed to the runner: the
     kernels of the iterations (and of the cache fills between blocks), per forward."""
     from torch.profiler import ProfilerActivity, profile
@@ -140,7 +144,7 @@ def profile_decode(engine, prompt_ids, params, top: int = 20) -> dict:
 
     runner.forward = counted
     try:
-        engine.generate_ids(prompt_ids, params)
+        decode()
         torch.cuda.synchronize()
     finally:
         del runner.forward
@@ -197,6 +201,26 @@ def timeline(activities, limit: int = 1000) -> list[list]:
     return out
 
 
+def replayed_request(engine, path: str):
+    """decode() for --routing: the trace's first request with its routing and commits, checked against the trace at
+    its end (TraceMismatch if the run left the recorded path)."""
+    from oled.decoding.loop import generate
+    from oled.trace import Trace
+    from oled.trace.source import TraceSource
+
+    source = TraceSource(Trace.load(path), engine.config, engine.device)
+    engine.set_routing_source(source)
+    params, prompt_ids = source.decode_params(), source.prompt_ids(0)
+    params.validate()
+
+    def decode():
+        source.begin_request(0)
+        res = generate(engine.runner, prompt_ids, params, timer=engine.timer, commits=source)
+        source.end_request(res.token_ids)
+        return res
+    return decode
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="full@1.0,oled@0.4")
@@ -208,6 +232,7 @@ def main(argv=None) -> int:
                     help="the shared expert on the main stream (EngineConfig.shared_stream off)")
     ap.add_argument("--no-shared-in-moe", dest="shared_in_moe", action="store_false",
                     help="the shared expert with GEMMs of its own (EngineConfig.shared_in_moe off)")
+    ap.add_argument("--routing", metavar="TRACE", help="the trace's first request, its routing and commits replayed")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -220,21 +245,27 @@ def main(argv=None) -> int:
 
     engine = Engine(EngineConfig(random_weights=args.preset, policy="full", expert_budget="1.0",
                                  shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe))
-    params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
-    prompt_ids = load(args.workload, engine.tokenizer, limit=1).prompts[0].ids(engine.tokenizer)
+    if args.routing:
+        decode = replayed_request(engine, args.routing)
+    else:
+        params = DecodeParams(gen_length=args.gen_length, block_length=32, threshold=0.95)
+        prompt_ids = load(args.workload, engine.tokenizer, limit=1).prompts[0].ids(engine.tokenizer)
+
+        def decode():
+            return engine.generate_ids(prompt_ids, params)
     results = []
     for run in args.runs.split(","):
         policy, budget = run.split("@")
         engine.set_runtime(policy, budget)
-        results.append(measure(engine, prompt_ids, params, run))
+        results.append(measure(engine, decode, run))
         r = results[-1]
         print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
     if args.profile:
         for r in results:
             policy, budget = r["run"].split("@")
             engine.set_runtime(policy, budget)
-            engine.generate_ids(prompt_ids, params)          # warm-up again: set_runtime rebuilt the graphs
-            r.update(profile_decode(engine, prompt_ids, params))
+            decode()                                         # warm-up again: set_runtime rebuilt the graphs
+            r.update(profile_decode(engine, decode))
             print(r["run"], "GPU kernels %.3f ms/fwd, copies %.3f ms/fwd, %.0f launches/fwd over %d forwards" % (
                 r["gpu_kernel_ms_per_forward"], r["memcpy_ms_per_forward"], r["launches_per_forward"],
                 r["profiled_forwards"]))

@@ -10,7 +10,9 @@ is read: crosses once, but that many slots a layer stay empty). Bytes only, no t
 
 One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per
 denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count the trace's experts (a routing
-proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB): compare the paths' ratios. A policy that plans on costs (oled,
+proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB: compare the paths' ratios), or experts of --expert-mib (6 for
+LLaDA2.0-mini, as `oled bench --routing` replays them); --requests N replays the trace's first N requests (`oled bench
+--prompts N`). `belady` gives the bytes of the fewest misses any retention policy takes on each path. A policy that plans on costs (oled,
 oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or an `oled bench` results.jsonl whose first line
 with a cost model gives it (the trace's own is used otherwise).
 """
@@ -47,15 +49,17 @@ def load_costs(path: str | None) -> CostModel | None:
 
 
 def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None,
-        capture_slots: int = 0) -> dict:
-    """One replay; path "capture" is the mapped path with capture_slots."""
+        capture_slots: int = 0, expert_bytes: int | None = None) -> dict:
+    """One replay; path "capture" is the mapped path with capture_slots; expert_bytes rescales the bytes (None:
+    the trace's experts)."""
     mgr = replay_manager(trace, policy, budget, costs, mapped_rows=mapped_rows(path != "host"),
                          capture_slots=capture_slots if path == "capture" else 0)
     if path == "hybrid":
         mgr.residency.takes_mapped_path = BlockStartOnHost(mgr.residency)
     mgr.replay()
     s = mgr.stats.summary()
-    copied, mapped = s["h2d_gb_per_iteration"], s["mapped_gb_per_iteration"]
+    scale = 1.0 if expert_bytes is None else expert_bytes / trace.header["model"]["expert_bytes"]
+    copied, mapped = s["h2d_gb_per_iteration"] * scale, s["mapped_gb_per_iteration"] * scale
     return {"policy": policy, "budget": budget, "path": path, "capture_slots": mgr.residency.capture_slots,
             "hit_rate_tokens": s["hit_rate_tokens"], "copied_gb": copied, "mapped_gb": mapped,
             "pcie_gb": copied + mapped, "pcie_ms": (copied + mapped) / gbps * 1e3,
@@ -70,14 +74,20 @@ def main(argv=None) -> int:
     ap.add_argument("--gbps", type=float, default=55.0, help="pinned H2D bandwidth for the time column (GB/s)")
     ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one")
     ap.add_argument("--capture-slots", default="4", help="comma list: a capture path per value ('' for none)")
+    ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
+    ap.add_argument("--expert-mib", type=float, help="expert size for the bytes (default: the trace's)")
     args = ap.parse_args(argv)
     trace, costs = Trace.load(args.trace), load_costs(args.costs)
+    if args.requests is not None:
+        trace = trace.first_requests(args.requests)
+    size = None if args.expert_mib is None else int(args.expert_mib * 2**20)
     for policy in args.policies.split(","):
         for budget in args.budgets.split(","):
             for path in PATHS:
-                print(json.dumps(run(trace, policy, budget, path, args.gbps, costs)), flush=True)
+                print(json.dumps(run(trace, policy, budget, path, args.gbps, costs, expert_bytes=size)), flush=True)
             for slots in filter(None, args.capture_slots.split(",")):
-                print(json.dumps(run(trace, policy, budget, "capture", args.gbps, costs, int(slots))), flush=True)
+                print(json.dumps(run(trace, policy, budget, "capture", args.gbps, costs, int(slots), size)),
+                      flush=True)
     return 0
 
 

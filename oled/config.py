@@ -51,8 +51,8 @@ class EngineConfig:
     # mapped forward writes the misses it reads from host memory into, skipping any slot the forward reads, so a
     # kept miss crosses PCIe once, not read and then copied (runtime/residency.py; at most half the layer's slots).
     # 0: every kept miss is copied after the forward. 4 measured faster than 0 on the H200 (BENCHMARKS.md
-    # section 20).
-    capture_slots: int = 4
+    # section 20); 16 faster than 4 on learned routing, with the default grid's decisions unchanged (section 28).
+    capture_slots: int = 16
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device
     # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (BENCHMARKS.md section 17).

@@ -377,6 +377,15 @@ def test_the_traffic_replay_of_the_three_miss_paths():
     for r in rows.values():
         assert r["pcie_gb"] == pytest.approx(r["copied_gb"] + r["mapped_gb"])
         assert r["pcie_ms"] == pytest.approx(r["pcie_gb"] / 50.0 * 1e3)
+    # --expert-mib: the same decisions, bytes at another expert size
+    size = trace.header["model"]["expert_bytes"]
+    tripled = traffic.run(trace, "lru", "0.5", "capture", gbps=50.0, capture_slots=2, expert_bytes=3 * size)
+    for key in ("mapped_gb", "copied_gb", "pcie_ms"):
+        assert tripled[key] == pytest.approx(3 * rows["capture"][key])
+    assert tripled["captured"] == rows["capture"]["captured"]
+    # --requests 1: the first request's replay alone (fewer iterations, other bytes per iteration)
+    first = traffic.run(trace.first_requests(1), "lru", "0.5", "mapped", gbps=50.0)
+    assert first["mapped_gb"] > 0 and first != rows["mapped"]
 
 
 def test_a_mapped_read_waits_until_every_routing_value_has_landed():

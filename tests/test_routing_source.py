@@ -228,3 +228,24 @@ def test_trace_header_carries_what_a_routing_replay_needs(lru_trace, recorder):
             assert np.array_equal(tokens[:n], final[bs:bs + n])
             checked += 1
     assert checked >= 2
+
+
+def test_forward_gaps_replays_the_traces_first_request(player, lru_trace, tmp_path):
+    """benchmarks/forward_gaps.py --routing: its decode() runs the trace's first request with the recorded routing and
+    commits and gives the recorded tokens, twice in a row (a warm-up, then the timed generate)."""
+    import importlib.util
+    from pathlib import Path
+
+    trace, _ = lru_trace
+    path = trace.save(tmp_path / "first.trace")
+    spec = importlib.util.spec_from_file_location(
+        "forward_gaps", Path(__file__).parents[1] / "benchmarks/forward_gaps.py")
+    gaps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gaps)
+    player.set_runtime("lru", "0.25")
+    try:
+        decode = gaps.replayed_request(player, str(path))
+        expected = TraceSource(trace, player.config, player.device).output_ids(0)
+        assert [decode().token_ids for _ in range(2)] == [expected, expected]
+    finally:
+        player.set_routing_source(None)

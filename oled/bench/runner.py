@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import EngineConfig
 from ..decoding.loop import generate
 from ..decoding.params import DecodeParams
 from ..decoding.procedure import usable_positions
@@ -109,7 +110,7 @@ class BenchConfig:
     cuda_graphs: bool = True
     offload_graphs: bool = True
     mapped_misses: bool | None = None
-    capture_slots: int = 4
+    capture_slots: int = EngineConfig.capture_slots
     shared_stream: bool = True
     shared_in_moe: bool = True
     fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
