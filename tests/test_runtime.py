@@ -324,3 +324,40 @@ def test_the_residents_view_follows_every_change_of_the_slot_table():
     resident, ids = res.residents(1)
     assert resident == {3} and ids.tolist() == [3] and not ids.flags.writeable
     assert res.residents(2)[0] == frozenset() and cache.version == {1: 3, 2: 0}
+
+
+@pytest.mark.parametrize("policy", ["lru", "oled-retain", "oled", "tide"])
+def test_a_budget_that_holds_every_expert_records_the_event_paths_statistics_without_asking_the_policy(policy):
+    """At a budget that holds every expert (the all-resident path) no layer event reaches the policy (its decide
+    would have nothing to load or evict), and each layer's statistics equal what the event path records for the same
+    routing: pairs, experts, hits, tokens per expert, residents and residents used."""
+    from oled.runtime.budget import ExpertBudget
+    from oled.runtime.expert_cache import ExpertCache
+    from oled.runtime.residency import Residency
+    from oled.runtime.stats import RunStats
+
+    def residency(pol):
+        budget = ExpertBudget(slots_per_layer=8, num_layers=2, expert_bytes=1, total_expert_bytes=16)
+        res = Residency(ExpertCache([1, 2], budget, 1, None, "meta"), pol, RunStats(), num_experts=8, top_k=2,
+                        expert_bytes=1, costs=balanced_costs(1))
+        res.place_initial()
+        return res
+
+    class NoEvents(type(make_policy(policy))):
+        def decide(self, event):
+            raise AssertionError("a layer event on the all-resident path")
+
+    rng = np.random.default_rng(0)
+    recorded, evented = residency(NoEvents()), residency(make_policy(policy))
+    assert recorded.all_resident and recorded.holds_everything
+    for forward in range(3):
+        info = ForwardInfo(kind="iteration", start=0, tokens=5, block_start=0, block_length=5)
+        recorded.begin_forward(info)
+        evented.begin_forward(info)
+        for layer in (1, 2):
+            ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(5)])
+            recorded.record_resident(layer, ids)
+            evented.end_layer(evented.begin_layer(layer, ids, np.full(ids.shape, 0.5, np.float32)))
+    rows, expected = recorded.stats.to_rows(), evented.stats.to_rows()
+    assert len(rows) == 6 and rows == expected
+    assert all(r["pairs_hit"] == r["pairs"] == 10 and r["resident"] == 8 for r in rows)

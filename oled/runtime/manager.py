@@ -164,8 +164,8 @@ class ExpertManager:
         # event: fixed, so that a graph replaying the read-back writes where the host step reads
         self._readback: dict[tuple, tuple] = {}
         self._buffers: dict[str, torch.Tensor] = {}
-        self._routing_log: list[tuple] = []       # all-resident path: (layer, ids, weights) kept on device until
-                                                  # the forward ends, then recorded in one transfer; mapped path:
+        self._routing_log: list[tuple] = []       # all-resident path: (layer, ids) kept on device until the
+                                                  # forward ends, then recorded in one transfer; mapped path:
                                                   # (layer, tokens), whose read-back end_forward takes
         # Set while a segmented CUDA graph is captured (decoding/graphs.py): called instead of run_offloaded.
         self.host_boundary = None
@@ -256,7 +256,7 @@ class ExpertManager:
         the misses."""
         if self.all_resident:
             y_pairs, shared_out = self._grouped_all(layer, x, ids, shared)     # every expert is resident: one wave
-            self._routing_log.append((layer, ids, weights))
+            self._routing_log.append((layer, ids))
             return self.combine(y_pairs, weights, shared_out)
         if self._mapped_now:
             return self.run_mapped(layer, x, ids, weights, shared)
@@ -675,9 +675,9 @@ class ExpertManager:
         self._routing_log.extend(routing)
 
     def end_forward(self) -> None:
-        """Record the all-resident path's routing: one device-to-host copy per forward (the routing weights in a
-        second one for a policy that is not static), into pinned buffers; inside `overlapped()` it is recorded once
-        the next forward is queued (the copy is ordered before that forward overwrites a graph's routing)."""
+        """Record the all-resident path's routing: one device-to-host copy of the ids per forward, into a pinned
+        buffer; inside `overlapped()` it is recorded once the next forward is queued (the copy is ordered before that
+        forward overwrites a graph's routing)."""
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
             self.cpu_kernel.hold(0.0)
         if self._mapped_now:
@@ -691,14 +691,10 @@ class ExpertManager:
             return
         self.flush()                          # an earlier forward's records first: they read the same buffers
         log, self._routing_log = self._routing_log, []
-        layers = [layer for layer, _, _ in log]
-        ids = torch.stack([ids for _, ids, _ in log])
-        host = [self._staging(f"routing_log.ids.{tuple(ids.shape)}", ids.shape, ids.dtype)]
-        host[0].copy_(ids, non_blocking=self.cuda)
-        if not self.policy.static_full:
-            weights = torch.stack([w.float() for _, _, w in log])
-            host.append(self._staging(f"routing_log.weights.{tuple(weights.shape)}", weights.shape, weights.dtype))
-            host[1].copy_(weights, non_blocking=self.cuda)
+        layers = [layer for layer, _ in log]
+        ids = torch.stack([ids for _, ids in log])
+        host = self._staging(f"routing_log.ids.{tuple(ids.shape)}", ids.shape, ids.dtype)
+        host.copy_(ids, non_blocking=self.cuda)
         copied = None
         if self.cuda:
             copied = torch.cuda.Event()
@@ -773,10 +769,8 @@ class ExpertManager:
         layers, host, copied = record
         if copied is not None:
             copied.synchronize()
-        ids_h = host[0].numpy()
-        weights_h = host[1].numpy() if len(host) > 1 else [None] * len(layers)
-        for layer, ids, weights in zip(layers, ids_h, weights_h):
-            self.residency.record_resident(layer, ids.copy(), None if weights is None else weights.copy())
+        for layer, ids in zip(layers, host.numpy()):
+            self.residency.record_resident(layer, ids.copy())
 
     def on_iteration(self, event: IterationEvent) -> None:
         # behind the next launch where that forward does not decide as it runs (begin_forward): with the host

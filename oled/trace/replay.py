@@ -80,14 +80,14 @@ class ReplayManager:
         """before_mapped(run, layer, ids): called before each layer decided on the mapped path, its residency not yet
         changed (run: the trace's run index; an analysis hook, benchmarks/prefetch_coverage.py)."""
         t, policy, res = self.trace, self.policy, self.residency
-        static_log: list[tuple[int, np.ndarray, np.ndarray]] = []
+        static_log: list[tuple[int, np.ndarray]] = []
         all_resident = res.all_resident           # as the live manager's all-resident path
         forward, mapped = -1, False
         for op, arg in t.ops.tolist():
             if op == RUN:
                 layer, ids = int(t.run_layer[arg]), t.run_ids(arg).astype(np.int64)
                 if all_resident:
-                    static_log.append((layer, ids, t.run_weights(arg).copy()))
+                    static_log.append((layer, ids))
                     continue
                 if mapped:                        # as the live manager's mapped path: no prediction
                     if before_mapped is not None:
@@ -107,8 +107,8 @@ class ReplayManager:
                 res.arm_capture(mapped)
                 res.begin_forward(info, cpu_scale=scale)
             elif op == END:
-                for layer, ids, weights in static_log:
-                    res.record_resident(layer, ids, weights)
+                for layer, ids in static_log:
+                    res.record_resident(layer, ids)
                 static_log.clear()
             elif op == EVENT:
                 policy.on_iteration(t.event(arg))
