@@ -272,9 +272,8 @@ class Residency:
     def record_resident(self, layer: int, ids: np.ndarray) -> None:
         """A layer that ran on the all-resident path (all_resident), once its forward ended: its statistics. No
         policy is asked anything: every expert stays resident for good, so no decision could load or evict (the
-        statistics equal those of an event whose decision has nothing to do). A policy's layer events there cost
-        the host ~50 us a layer for nothing, behind forwards that a small model finishes sooner (the trained tiny
-        model: oled at 100 % 1.8 x `full`'s time per token, BENCHMARKS.md section 28)."""
+        statistics equal those of an event whose decision has nothing to do). A policy's layer event costs the host
+        ~50 us (benchmarks/policy_step_cost.py), which here would buy nothing."""
         self.record_static(layer, ids)
 
     def record_static(self, layer: int, ids: np.ndarray) -> None:
