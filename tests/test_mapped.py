@@ -455,6 +455,34 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     assert row["named_not_needed"] <= row["named_not_resident"]
 
 
+def test_the_iteration_ahead_coverage_on_the_bundled_trace():
+    """benchmarks/ahead_coverage.py: its misses are the replay's mapped experts; a longer look back names at least
+    as many of them and fetches at least as much; `both` is the union of the widest window and the block prior; the
+    bytes are the counts at the given expert size."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.trace import Trace
+    from oled.trace.replay import replay_manager
+
+    root = Path(__file__).parents[1]
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    spec = importlib.util.spec_from_file_location("ahead_coverage", root / "benchmarks/ahead_coverage.py")
+    ahead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ahead)
+    rows = {r["prediction"]: r for r in ahead.coverage(trace, "lru", "0.5", 2, [1, 3], expert_bytes=10**9)}
+    assert list(rows) == ["recent:1", "recent:3", "block", "both"]
+    replayed = replay_manager(trace, "lru", "0.5", mapped_rows=ahead.mapped_rows(True), capture_slots=2)
+    mapped = sum(r["experts_mapped"] for r in replayed.replay().to_rows())
+    one, three, block, both = (rows[k] for k in ("recent:1", "recent:3", "block", "both"))
+    assert one["misses_per_iteration"] * one["iterations"] == pytest.approx(mapped) and mapped > 0
+    assert one["miss_gb_per_iteration"] == pytest.approx(one["misses_per_iteration"])      # 1 GB experts
+    assert 0 < one["named_fraction"] <= three["named_fraction"] <= both["named_fraction"] <= 1
+    assert one["fetched_per_iteration"] <= three["fetched_per_iteration"] <= both["fetched_per_iteration"]
+    assert both["fetched_per_iteration"] <= three["fetched_per_iteration"] + block["fetched_per_iteration"]
+    assert all(0 <= r["wasted_fraction"] <= 1 for r in rows.values())
+
+
 def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
     """benchmarks/forced_misses.py: a layer routing to U distinct experts with S slots misses at least U - S, so the
     forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
