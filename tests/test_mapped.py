@@ -483,6 +483,37 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
     assert all(0 <= r["wasted_fraction"] <= 1 for r in rows.values())
 
 
+def test_the_cooperative_mapped_estimate_on_the_bundled_trace():
+    """benchmarks/coop_mapped_estimate.py: the planner's best split never costs more than reading every miss; with a
+    CPU as fast as a read it sends misses to the CPU and saves time; with a CPU a thousand times slower it sends none
+    and saves nothing; the read rate given replaces the measured load time."""
+    import importlib.util
+    from pathlib import Path
+
+    from oled.trace import Trace
+
+    from .costs import balanced_costs
+
+    root = Path(__file__).parents[1]
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    spec = importlib.util.spec_from_file_location("coop_mapped_estimate", root / "benchmarks/coop_mapped_estimate.py")
+    est = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(est)
+    size = trace.header["model"]["expert_bytes"]
+    costs = est.mapped_read_costs(balanced_costs(size), gbps=size / 1e-4 / 1e9, expert_bytes=size)
+    assert costs.load_seconds(1) == pytest.approx(1e-4)
+    even = est.estimate(trace, "lru", "0.5", costs, capture_slots=2)
+    assert even["layers_with_misses_per_iteration"] > 0 and even["iterations"] > 0
+    assert 0 < even["split_ms_per_iteration"] < even["mapped_ms_per_iteration"]
+    assert even["saved_ms_per_iteration"] == pytest.approx(even["mapped_ms_per_iteration"] -
+                                                           even["split_ms_per_iteration"])
+    assert even["cpu_experts_per_iteration"] > 0 and even["cpu_pairs_per_iteration"] >= even["cpu_experts_per_iteration"]
+    slow = est.mapped_read_costs(balanced_costs(size, seconds=1e-1), gbps=size / 1e-4 / 1e9, expert_bytes=size)
+    none = est.estimate(trace, "lru", "0.5", slow, capture_slots=2)
+    assert none["cpu_experts_per_iteration"] == 0 and none["saved_ms_per_iteration"] == pytest.approx(0)
+    assert none["mapped_ms_per_iteration"] == pytest.approx(even["mapped_ms_per_iteration"])
+
+
 def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
     """benchmarks/forced_misses.py: a layer routing to U distinct experts with S slots misses at least U - S, so the
     forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
