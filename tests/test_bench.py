@@ -13,6 +13,7 @@ from oled.bench import workloads as wl
 from oled.decoding.params import DecodeParams
 
 from .costs import balanced_costs
+from .scripts import benchmark_script
 
 TOP_LEVEL = ("schema", "run_id", "mode", "status", "label", "timestamp", "workload", "policy", "policy_label",
              "policy_options", "budget", "budget_fraction", "slots_per_layer", "budget_bytes", "model", "engine",
@@ -291,15 +292,10 @@ def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_pat
     """benchmarks/ttft.py end to end on the tiny preset: one line per (budget, prompt length); with every expert
     resident nothing has to cross, under a budget the misses do; the first block comes after the prefill; the
     floors are NaN without a GPU's measured bandwidth."""
-    import importlib.util
     import json
-    from pathlib import Path
     from types import SimpleNamespace
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ttft.py"
-    spec = importlib.util.spec_from_file_location("ttft", script)
-    ttft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ttft)
+    ttft = benchmark_script("ttft")
     records = [SimpleNamespace(experts=5, experts_hit=2), SimpleNamespace(experts=3, experts_hit=3)]
     assert ttft.missed_bytes(records, 100) == 300
     out = tmp_path / "ttft.jsonl"
@@ -324,14 +320,11 @@ def test_the_ttft_benchmark_runs_on_the_cpu_and_counts_what_had_to_cross(tmp_pat
 def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
     """benchmarks/merge_grids.py: a later folder's run replaces an earlier one's of the same run id and mode; the
     others are kept; sources.json says where each came from; the report renders."""
-    import importlib.util
     import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("merge_grids", root / "benchmarks" / "merge_grids.py")
-    merge = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge)
+    merge = benchmark_script("merge_grids")
     grid = root / "benchmarks/results/h200/mini-grid-76ca9e3/results.jsonl.gz"
     rows = [json.loads(line) for line in gzip.open(grid, "rt")]
     first, second = tmp_path / "first", tmp_path / "second"
@@ -353,18 +346,13 @@ def test_merge_grids_takes_each_run_from_the_last_folder_that_has_it(tmp_path):
 def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     """benchmarks/offload_overhead.py on the tiny preset, on the CPU: per-forward host times of the wrapped steps
     (the policy's step inside host step one), and every wrapped method restored after the timed generate."""
-    import importlib.util
-    from pathlib import Path
 
     from oled.config import EngineConfig
     from oled.decoding.params import DecodeParams
     from oled.engine import Engine
     from oled.runtime.manager import ExpertManager
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_overhead.py"
-    spec = importlib.util.spec_from_file_location("offload_overhead", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("offload_overhead")
     engine = Engine(EngineConfig(random_weights="tiny", device="cpu", dtype="float32", policy="lru",
                                  expert_budget="0.25"))
     sync_slot_map = ExpertManager.__dict__["_sync_slot_map"]
@@ -391,16 +379,6 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
             assert nfe > 0 and abs(per_forward - tpot * gen / nfe) < 1e-9 * max(1.0, per_forward)
 
 
-def _load_benchmark(script: str):
-    """A script of benchmarks/ (not a package) as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
@@ -408,7 +386,7 @@ def _load_benchmark(script: str):
 def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, script):
     """benchmarks/graph_launch_probe.py times CUDA graph launches and forward_gaps.py reads CUDA events: without a
     GPU each exits 2 with one line and writes nothing."""
-    probe = _load_benchmark(script)
+    probe = benchmark_script(script)
     out = tmp_path / "probe.json"
     assert probe.main(["--out", str(out)]) == 2
     captured = capsys.readouterr()
@@ -418,7 +396,7 @@ def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, s
 def test_the_forward_gaps_host_tails_split_each_steady_forward_at_its_last_read_back():
     """forward_gaps.host_tails: per steady forward, the host's time from its last routing read-back to its
     end_forward, and from there to the next forward; a forward that is not steady (prefill) is left out."""
-    gaps = _load_benchmark("forward_gaps.py")
+    gaps = benchmark_script("forward_gaps.py")
     marks = [("forward", 0.0), ("end_forward", 0.001),                        # prefill: not steady
              ("forward", 0.010), ("_read_routing", 0.011), ("_read_routing", 0.013), ("end_forward", 0.0135),
              ("forward", 0.0145), ("_read_routing", 0.016), ("end_forward", 0.0180),
@@ -434,7 +412,7 @@ def test_the_forward_gaps_idle_time_is_pinned_to_the_activities_around_it():
     1 us or less are the profiler's resolution."""
     from types import SimpleNamespace
 
-    gaps = _load_benchmark("forward_gaps.py")
+    gaps = benchmark_script("forward_gaps.py")
 
     def act(name, start, end):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))

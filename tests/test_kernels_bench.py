@@ -2,7 +2,6 @@
 judge right. Its cases run end to end under Triton's interpreter in tests/test_triton_kernels.py."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -16,14 +15,13 @@ import torch
 from oled.decoding.rules import predict as predict_reference
 from oled.models.router import sigmoid_group_route as route_reference
 
+from .scripts import benchmark_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_bench.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("kernels_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("kernels_bench")
 
 
 bench = load_bench()

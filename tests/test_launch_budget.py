@@ -3,13 +3,12 @@
 so a launch that creeps back into the forward fails this test, and against the torch path."""
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+from tests.scripts import benchmark_script
 
 triton = import_triton_for_the_interpreter()
 
@@ -44,11 +43,7 @@ def kernels():
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # -inf - -inf in the confidence
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def load_counter():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_count.py"
-    spec = importlib.util.spec_from_file_location("launch_count", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("launch_count")
 
 
 def test_a_fused_forward_launches_exactly_the_listed_kernels(kernels):

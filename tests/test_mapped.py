@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.triton_interpreter import import_triton_for_the_interpreter, interpreted_kernels
+from tests.scripts import benchmark_script
 
 triton = import_triton_for_the_interpreter()
 
@@ -357,15 +358,12 @@ def test_the_traffic_replay_of_the_three_miss_paths():
     """benchmarks/mapped_traffic.py on the bundled model's trace: the host round trip reads nothing mapped, the mapped
     path computes nothing on the CPU and adds the mapped reads to its copies, the hybrid replays each block's
     first forward on the host round trip (fewer mapped bytes than the mapped path), and capture copies less."""
-    import importlib.util
     from pathlib import Path
 
     from oled.trace import Trace
 
     root = Path(__file__).parents[1]
-    spec = importlib.util.spec_from_file_location("mapped_traffic", root / "benchmarks/mapped_traffic.py")
-    traffic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(traffic)
+    traffic = benchmark_script("mapped_traffic")
     trace = Trace.load(root / "tests/data/tiny-code.trace")
     rows = {path: traffic.run(trace, "lru", "0.5", path, gbps=50.0) for path in traffic.PATHS}
     assert rows["host"]["mapped_gb"] == 0 and rows["host"]["copied_gb"] > 0
@@ -423,7 +421,6 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     """ReplayManager.replay(before_mapped) is called once per layer decided on the mapped path, with that run's
     routing and the residency not yet changed, and leaves the statistics as they are; benchmarks/prefetch_coverage.py
     counts from it the misses the recorded prediction names."""
-    import importlib.util
     from pathlib import Path
 
     from oled.trace import Trace
@@ -447,9 +444,7 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     misses = sum(len(set(trace.run_ids(run).reshape(-1).tolist()) - set(resident)) for run, _, resident in seen)
     assert misses == sum(r["experts_mapped"] for r in rows) > 0
 
-    spec = importlib.util.spec_from_file_location("prefetch_coverage", root / "benchmarks/prefetch_coverage.py")
-    coverage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(coverage)
+    coverage = benchmark_script("prefetch_coverage")
     row = coverage.coverage(trace, "lru", "0.5", None, 2)
     assert 0 < row["misses"] <= misses and 0 <= row["named"] <= row["misses"]
     assert row["named_not_needed"] <= row["named_not_resident"]
@@ -459,7 +454,6 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
     """benchmarks/ahead_coverage.py: its misses are the replay's mapped experts; a longer look back names at least
     as many of them and fetches at least as much; `both` is the union of the widest window and the block prior; the
     bytes are the counts at the given expert size."""
-    import importlib.util
     from pathlib import Path
 
     from oled.trace import Trace
@@ -467,9 +461,7 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    spec = importlib.util.spec_from_file_location("ahead_coverage", root / "benchmarks/ahead_coverage.py")
-    ahead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ahead)
+    ahead = benchmark_script("ahead_coverage")
     rows = {r["prediction"]: r for r in ahead.coverage(trace, "lru", "0.5", 2, [1, 3], expert_bytes=10**9)}
     assert list(rows) == ["recent:1", "recent:3", "block", "both"]
     replayed = replay_manager(trace, "lru", "0.5", mapped_rows=ahead.mapped_rows(True), capture_slots=2)
@@ -487,7 +479,6 @@ def test_the_cooperative_mapped_estimate_on_the_bundled_trace():
     """benchmarks/coop_mapped_estimate.py: the planner's best split never costs more than reading every miss; with a
     CPU as fast as a read it sends misses to the CPU and saves time; with a CPU a thousand times slower it sends none
     and saves nothing; the read rate given replaces the measured load time."""
-    import importlib.util
     from pathlib import Path
 
     from oled.trace import Trace
@@ -496,9 +487,7 @@ def test_the_cooperative_mapped_estimate_on_the_bundled_trace():
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    spec = importlib.util.spec_from_file_location("coop_mapped_estimate", root / "benchmarks/coop_mapped_estimate.py")
-    est = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(est)
+    est = benchmark_script("coop_mapped_estimate")
     size = trace.header["model"]["expert_bytes"]
     costs = est.mapped_read_costs(balanced_costs(size), gbps=size / 1e-4 / 1e9, expert_bytes=size)
     assert costs.load_seconds(1) == pytest.approx(1e-4)
@@ -518,7 +507,6 @@ def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
     """benchmarks/forced_misses.py: a layer routing to U distinct experts with S slots misses at least U - S, so the
     forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
     expert in a slot, and no more than belady's loads (or any policy's misses) in the same replay."""
-    import importlib.util
     from pathlib import Path
 
     from oled.trace import Trace
@@ -527,9 +515,7 @@ def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    spec = importlib.util.spec_from_file_location("forced_misses", root / "benchmarks/forced_misses.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("forced_misses")
     experts = trace.header["model"]["num_experts"]
     assert script.forced_misses(trace, "1.0", 1)["forced_misses_per_iteration"] == 0
     row = script.forced_misses(trace, "0.3", 1)

@@ -19,11 +19,12 @@ from oled.decoding.loop import generate
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 from oled.runtime.stats import TIMINGS
-from oled.trace import KINDS, Trace, record_trace
+from oled.trace import Trace, record_trace
 from oled.trace.source import TraceMismatch, TraceSource
 
 from .costs import balanced_costs
 from .graph_emulator import EmulatedGraphs
+from .scripts import benchmark_script
 
 PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "Hello there, how are you today?"]
 PARAMS = dict(gen_length=40, block_length=16)
@@ -233,15 +234,10 @@ def test_trace_header_carries_what_a_routing_replay_needs(lru_trace, recorder):
 def test_forward_gaps_replays_the_traces_first_request(player, lru_trace, tmp_path):
     """benchmarks/forward_gaps.py --routing: its decode() runs the trace's first request with the recorded routing and
     commits and gives the recorded tokens, twice in a row (a warm-up, then the timed generate)."""
-    import importlib.util
-    from pathlib import Path
 
     trace, _ = lru_trace
     path = trace.save(tmp_path / "first.trace")
-    spec = importlib.util.spec_from_file_location(
-        "forward_gaps", Path(__file__).parents[1] / "benchmarks/forward_gaps.py")
-    gaps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gaps)
+    gaps = benchmark_script("forward_gaps")
     player.set_runtime("lru", "0.25")
     try:
         decode = gaps.replayed_request(player, str(path))
