@@ -220,3 +220,28 @@ def test_first_requests_of_a_trace(lru_trace, tmp_path, capsys):
     capsys.readouterr()
     assert main(["trace", "--report", str(path), "--first", "2", "--out", str(tmp_path / "x.trace")]) == 2
     assert "cannot keep 2" in capsys.readouterr().err
+
+
+def test_the_runner_up_coverage_records_the_routers_next_ranks_on_the_bundled_model():
+    """benchmarks/runner_up_coverage.py: the wider routing's first k ids are the routed ones in every MoE run (checked
+    inside), one logged call per run; more runner-ups name at least as many new experts with at least as many
+    candidates; every figure is a fraction where it should be."""
+    from oled.config import EngineConfig
+    from oled.decoding.params import DecodeParams
+    from oled.engine import Engine
+
+    from .scripts import benchmark_script
+
+    script = benchmark_script("runner_up_coverage")
+    engine = Engine(EngineConfig(policy="full", expert_budget="1.0", device="cpu", dtype="float32"))
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n")
+    trace, wide = script.record_with_runner_ups(engine, [("p", prompt)], DecodeParams(gen_length=32, block_length=16),
+                                                extra=4)
+    k = trace.header["model"]["top_k"]
+    assert len(wide) == len(trace.run_layer) > 0 and all(w.shape[1] == k + 4 for w in wide)
+    rows = script.coverage(trace, wide, [1, 2, 4])
+    assert [r["runner_ups"] for r in rows] == [1, 2, 4] and rows[0]["layer_iterations"] > 0
+    for a, b in zip(rows, rows[1:]):
+        assert a["recall"] <= b["recall"] and a["candidates_per_layer_iteration"] <= b["candidates_per_layer_iteration"]
+    assert all(0 <= r[f] <= 1 for r in rows for f in ("recall", "precision", "random_recall"))
+    assert rows[-1]["new_per_layer_iteration"] > 0
