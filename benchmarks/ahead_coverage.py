@@ -21,7 +21,7 @@ import json
 from collections import deque
 
 from oled.kernels.triton_moe import mapped_rows
-from oled.trace import Trace
+from oled.trace import Trace, selection
 from oled.trace.replay import replay_manager
 
 
@@ -92,17 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="oled-retain")
     ap.add_argument("--windows", default="1,2,4,8", help="comma list of W for recent:W (iterations looked back)")
     ap.add_argument("--capture-slots", type=int, default=16)
-    ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
-    ap.add_argument("--expert-mib", type=float, help="expert size for the bytes (default: the trace's)")
+    selection.add_selection_args(ap)
     args = ap.parse_args(argv)
-    trace = Trace.load(args.trace)
-    if args.requests is not None:
-        trace = trace.first_requests(args.requests)
+    trace = selection.selected_trace(args.trace, args.requests)
     windows = sorted({int(w) for w in args.windows.split(",")})
     if not windows or windows[0] < 1:
         ap.error("--windows: positive iteration counts")
-    size = (int(args.expert_mib * 2**20) if args.expert_mib is not None
-            else int(trace.header["model"]["expert_bytes"]))
+    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
     for budget in args.budgets.split(","):
         for policy in args.policies.split(","):
             for row in coverage(trace, policy, budget, args.capture_slots, windows, size):

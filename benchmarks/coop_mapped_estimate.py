@@ -24,7 +24,7 @@ import json
 from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.cost_model import CostModel
 from oled.runtime.planner import PlanInputs, plan_cost, split_misses
-from oled.trace import Trace
+from oled.trace import Trace, selection
 from oled.trace.replay import replay_manager
 
 
@@ -77,14 +77,11 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="oled-retain")
     ap.add_argument("--gbps", type=float, default=47.0, help="the mapped reads' rate (GB/s)")
     ap.add_argument("--capture-slots", type=int, default=16)
-    ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
-    ap.add_argument("--expert-mib", type=float, help="expert size (default: the cost model's)")
+    selection.add_selection_args(ap, size_default="the cost model's")
     args = ap.parse_args(argv)
-    trace = Trace.load(args.trace)
-    if args.requests is not None:
-        trace = trace.first_requests(args.requests)
+    trace = selection.selected_trace(args.trace, args.requests)
     measured = CostModel.from_file(args.costs)
-    size = int(args.expert_mib * 2**20) if args.expert_mib is not None else measured.expert_bytes
+    size = selection.expert_bytes(args.expert_mib, measured.expert_bytes)
     costs = mapped_read_costs(measured, args.gbps, size)
     for budget in args.budgets.split(","):
         print(json.dumps(estimate(trace, args.policy, budget, costs, args.capture_slots)), flush=True)

@@ -17,7 +17,7 @@ import json
 import numpy as np
 
 from oled.runtime.budget import parse_budget
-from oled.trace import Trace
+from oled.trace import Trace, selection
 from oled.trace.format import KINDS
 from oled.trace.replay import replay_manager
 
@@ -54,16 +54,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--budgets", default="0.6,0.4,0.25")
-    ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
-    ap.add_argument("--expert-mib", type=float, help="expert size for the bytes (default: the trace's)")
+    selection.add_selection_args(ap)
     args = ap.parse_args(argv)
-    trace = Trace.load(args.trace)
-    if args.requests is not None:
-        trace = trace.first_requests(args.requests)
-    expert_bytes = (int(args.expert_mib * 2**20) if args.expert_mib is not None
-                    else int(trace.header["model"]["expert_bytes"]))
+    trace = selection.selected_trace(args.trace, args.requests)
+    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
     for budget in args.budgets.split(","):
-        print(json.dumps(forced_misses(trace, budget, expert_bytes)))
+        print(json.dumps(forced_misses(trace, budget, size)))
     return 0
 
 

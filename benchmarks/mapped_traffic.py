@@ -9,12 +9,12 @@ is read: crosses once, but that many slots a layer stay empty). Bytes only, no t
         --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl.gz
 
 One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per
-denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count the trace's experts (a routing
-proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB: compare the paths' ratios), or experts of --expert-mib (6 for
-LLaDA2.0-mini, as `oled bench --routing` replays them); --requests N replays the trace's first N requests (`oled bench
---prompts N`). `belady` gives the bytes of the fewest misses any retention policy takes on each path. A policy that plans on costs (oled,
-oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or an `oled bench` results.jsonl whose first line
-with a cost model gives it (the trace's own is used otherwise).
+denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count
+the trace's experts (a routing proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB: compare the paths' ratios), or experts
+of --expert-mib (6 for LLaDA2.0-mini, as `oled bench --routing` replays them); --requests N replays the trace's first
+N requests (`oled bench --prompts N`). `belady` gives the bytes of the fewest misses any retention policy takes on
+each path. A policy that plans on costs (oled, oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or
+an `oled bench` results.jsonl whose first line with a cost model gives it (the trace's own is used otherwise).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import json
 from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.cost_model import CostModel
 from oled.runtime.residency import Residency
-from oled.trace import Trace
+from oled.trace import Trace, selection
 from oled.trace.replay import replay_manager
 
 PATHS = ("host", "mapped", "hybrid")
@@ -74,13 +74,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gbps", type=float, default=55.0, help="pinned H2D bandwidth for the time column (GB/s)")
     ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one")
     ap.add_argument("--capture-slots", default="4", help="comma list: a capture path per value ('' for none)")
-    ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
-    ap.add_argument("--expert-mib", type=float, help="expert size for the bytes (default: the trace's)")
+    selection.add_selection_args(ap)
     args = ap.parse_args(argv)
-    trace, costs = Trace.load(args.trace), load_costs(args.costs)
-    if args.requests is not None:
-        trace = trace.first_requests(args.requests)
-    size = None if args.expert_mib is None else int(args.expert_mib * 2**20)
+    trace, costs = selection.selected_trace(args.trace, args.requests), load_costs(args.costs)
+    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
     for policy in args.policies.split(","):
         for budget in args.budgets.split(","):
             for path in PATHS:

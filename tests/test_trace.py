@@ -245,3 +245,22 @@ def test_the_runner_up_coverage_records_the_routers_next_ranks_on_the_bundled_mo
         assert a["recall"] <= b["recall"] and a["candidates_per_layer_iteration"] <= b["candidates_per_layer_iteration"]
     assert all(0 <= r[f] <= 1 for r in rows for f in ("recall", "precision", "random_recall"))
     assert rows[-1]["new_per_layer_iteration"] > 0
+
+
+def test_the_replay_scripts_trace_selection():
+    """oled.trace.selection, the --requests and --expert-mib of the replay scripts under benchmarks/: the first N
+    requests' trace, the expert size in bytes or the default, and both options on a parser."""
+    import argparse
+    from pathlib import Path
+
+    from oled.trace import selection
+
+    path = Path(__file__).parent / "data/tiny-code.trace"
+    whole = selection.selected_trace(path, None)
+    first = selection.selected_trace(path, 1)
+    assert whole.num_requests > 1 and first.num_requests == 1 and len(first.fwd_kind) < len(whole.fwd_kind)
+    assert selection.expert_bytes(6, 123) == 6 * 2**20 and selection.expert_bytes(None, 123) == 123
+    ap = argparse.ArgumentParser()
+    selection.add_selection_args(ap)
+    args = ap.parse_args(["--requests", "2", "--expert-mib", "0.5"])
+    assert (args.requests, args.expert_mib) == (2, 0.5)

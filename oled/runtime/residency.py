@@ -270,14 +270,10 @@ class Residency:
             step.rec.resident_used = len(step.demand.keys() & resident_after.keys())
 
     def record_resident(self, layer: int, ids: np.ndarray) -> None:
-        """A layer that ran on the all-resident path (all_resident), once its forward ended: its statistics. No
-        policy is asked anything: every expert stays resident for good, so no decision could load or evict (the
-        statistics equal those of an event whose decision has nothing to do). A policy's layer event costs the host
-        ~50 us (benchmarks/policy_step_cost.py), which here would buy nothing."""
-        self.record_static(layer, ids)
-
-    def record_static(self, layer: int, ids: np.ndarray) -> None:
-        """Statistics of a layer on the all-resident path (no decisions: every pair is a hit)."""
+        """A layer that ran on the all-resident path (all_resident), once its forward ended: its statistics (every
+        pair a hit). No policy is asked anything: every expert stays resident for good, so no decision could load or
+        evict (the statistics equal those of an event whose decision has nothing to do). A policy's layer event
+        costs the host ~50 us (benchmarks/policy_step_cost.py), which here would buy nothing."""
         experts, counts = np.unique(ids.reshape(-1), return_counts=True)
         rec = self.stats.layer(layer)
         rec.pairs = rec.pairs_hit = int(ids.size)
