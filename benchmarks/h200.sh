@@ -32,6 +32,8 @@
 #          default --profile) the iterations' kernels per forward under torch.profiler, prefill left out
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
+#   order  the bundled model at 100 % with ORDER_POLICIES (default full,oled,full,lru,oled-retain,full) in one
+#          `oled bench`, in run order: whether a cell's time depends on the cells run before it in the process
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
 #          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
@@ -152,6 +154,16 @@ if has policy-step; then
       --policies lru,oled-retain,oled,oled-coop $workers >> $R/policy-step.log 2>&1; echo "policy-step $workers rc=$?"
   done
   cat $R/policy-step.log
+fi
+if has order; then
+  timeout ${ORDER_S:-120} python3 -m oled.cli bench --policies ${ORDER_POLICIES:-full,oled,full,lru,oled-retain,full} \
+    --budgets 1.0 --workload code --prompts 1 --gen-length 128 --repeats ${ORDER_REPEATS:-3} --no-progress --no-bound \
+    $GRAPHS ${ORDER_FLAGS:-} --out $R/order > $R/order.log 2>&1; echo "order rc=$?"; keep order
+  python3 -c "
+import json, sys
+for i, l in enumerate(open(sys.argv[1])):
+    r = json.loads(l)
+    print(i, r['policy_label'], r['budget'], 'TPOT ms %.3f' % r['metrics']['tpot_ms']['median'])" $R/order/results.jsonl
 fi
 if has busy; then
   timeout ${BUSY_S:-240} taskset -c ${BUSY_CPUS:-0,1} python3 benchmarks/busy_cores.py --repeats ${BUSY_REPEATS:-3} \

@@ -120,7 +120,8 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     """capture_slots: the kernels write the misses they read from host memory into the armed slots, and the
     host makes them resident without a copy. Before every forward each resident expert's slot holds its blob and the
     device slot map equals the tables; the tokens are full's; the same routing copies fewer experts than without
-    capture; and every forward after the first arms R slots a layer (free ones, then its next victims')."""
+    capture; every forward after the first arms R slots a layer (free ones, then its next victims'); and the device
+    state (slot map and capture table) is written in one copy a forward at most."""
     import torch
 
     plain = _llm(policy, budget, capture_slots=0)
@@ -132,17 +133,32 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     armed_full = []
     arm = manager.residency.arm_capture
 
+    prepare = manager._prepare_device
+
     def arm_capture(mapped):
-        for pos, layer in enumerate(manager.layers):
-            for e, slot in manager.cache.resident(layer).items():
-                assert torch.equal(manager.cache.pool[slot], manager.store.blob(layer, e)), (layer, e, slot)
-            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
         armed = arm(mapped)
         if mapped:
             armed_full.append(all(len(slots) == R for slots in armed.values()))
         return armed
 
+    write, writes = manager._write_device_state, []
+
+    def write_device_state():
+        writes[-1] += 1
+        write()
+
+    def prepare_device(mapped):             # the device state the next forward reads, written in one copy
+        writes.append(0)
+        prepare(mapped)
+        for pos, layer in enumerate(manager.layers):
+            for e, slot in manager.cache.resident(layer).items():
+                assert torch.equal(manager.cache.pool[slot], manager.store.blob(layer, e)), (layer, e, slot)
+            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
+            assert np.array_equal(manager.capture_table[pos].numpy(), manager._capture_host[pos])
+
     manager.residency.arm_capture = arm_capture
+    manager._prepare_device = prepare_device
+    manager._write_device_state = write_device_state
     assert _generate(llm, gen_length=8) == full_block
     records = [r for r in manager.stats.records if r.kind == "iteration"]
     captured = sum(r.experts_captured for r in records)
@@ -150,6 +166,7 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     copied = sum(r.loads for r in records)
     assert copied < sum(r.loads for r in plain.engine.manager.stats.records if r.kind == "iteration")
     assert sum(armed_full) >= len(armed_full) - 1 > 0       # the first after the prefill has no victims yet
+    assert max(writes) == 1 and sum(writes) >= len(writes) // 2     # one copy a forward at most, most forwards
     assert manager.stats.summary()["captured_experts_per_iteration"] == captured / len(
         {r.forward for r in records})
 

@@ -56,11 +56,3 @@ class ExpertCache:
     @property
     def resident_bytes(self) -> int:
         return sum(map(len, self.slot_of.values())) * self.budget.expert_bytes
-
-    def slot_table(self, num_experts: int) -> torch.Tensor:
-        """[num_layers, num_experts] int64 slot index (-1 if not resident), for sync-free lookup on the device."""
-        table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int64)
-        for i, layer in enumerate(self.layers):
-            for expert, slot in self.slot_of[layer].items():
-                table[i, expert] = slot
-        return table.to(self.pool.device)

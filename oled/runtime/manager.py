@@ -139,22 +139,33 @@ class ExpertManager:
         self._prepared = False                    # the next forward's device state is set for the mapped path
         # EngineConfig.capture_slots: on the mapped path the kernels write the misses they read from host memory
         # into the layer's armed slots (Residency.arm_capture: free ones, then its next victims'), so a kept miss
-        # crosses PCIe once. The table: per layer, the slots a mapped forward may capture into (absolute, -1: none).
-        self.capture_table = None
-        if self.mapped and self.residency.capture_slots:
-            shape = (len(self.layers), self.residency.capture_slots)
-            self.capture_table = torch.full(shape, -1, dtype=torch.int64, device=self.device)
-            self._capture_host = np.full(shape, -1, dtype=np.int64)
-            self._capture_staging = torch.empty((2, *shape), dtype=torch.int64, pin_memory=self.cuda)
-            self._capture_flip = 0
+        # crosses PCIe once. The capture table: per layer, the slots a mapped forward may capture into (absolute,
+        # -1: none).
+        capture = self.residency.capture_slots if self.mapped else 0
+        E = self.config.num_experts
+        # The device state a forward reads, in one tensor so that one copy writes it between forwards
+        # (_write_device_state): per layer, the slot map (expert -> slot of the experts ready to compute, -1: not),
+        # so that a layer's hits are computed without the host, then the capture table. The host keeps its mirror
+        # (`_ready`, `_capture_host`: views of `_state_host`); between forwards it writes the whole state in one
+        # copy when it changed, and inside an offloaded forward a layer's row of the slot map (_sync_slot_map).
+        self._state_host = np.full((len(self.layers), E + capture), -1, dtype=np.int64)
+        self._ready, self._capture_host = self._state_host[:, :E], self._state_host[:, E:]
+        for pos, layer in enumerate(self.layers):
+            self._ready[pos] = self._slot_row(layer)
+        self._device_state = torch.tensor(self._state_host, device=self.device)     # a copy, on the CPU too
+        self.slot_map = self._device_state[:, :E]
+        self.capture_table = self._device_state[:, E:] if capture else None
+        # two pinned copies of the state used in turn, each with the event of its last copy, waited for before the
+        # copy is written again (two writes later: long done, so a guard rather than a wait)
+        self._state_staging = (torch.empty((2, *self._state_host.shape), dtype=torch.int64, pin_memory=True)
+                               if self.cuda else None)
+        self._state_copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self._state_flip = 0
+        self._state_dirty = False                 # the mirror differs from what the device state was last written
         # mapped path: the event recorded after the forward (end_forward), which bounds the host's wait for a layer's
         # routing and which the copies of its last layer's loads wait on
         self._forward_end: torch.cuda.Event | None = None
         self._mapped_buffers: dict[tuple[int, int], torch.Tensor] = {}     # (layer, tokens) -> routing buffer
-        # The device slot map: per layer, expert -> slot of the experts ready to compute (-1: not), so that a layer's
-        # hits are computed without the host; the host keeps its mirror (`_ready`) and copies a row when it changes.
-        self.slot_map = self.cache.slot_table(self.config.num_experts)
-        self._ready = self.slot_map.cpu().numpy().copy()
         self._slot_staging = (torch.empty((len(self.layers), 2, self.config.num_experts), dtype=torch.int64,
                                           pin_memory=True) if self.cuda else None)
         self._slot_flip = [0] * len(self.layers)
@@ -518,19 +529,25 @@ class ExpertManager:
         self._slots_changed.add(layer)            # its experts are ready now
         return slots_np, int(valid.sum())
 
+    def _slot_row(self, layer) -> np.ndarray:
+        """The slot map's row of `layer` as the tables have it: its resident experts whose copies the compute has
+        waited for (a prefetched expert is listed once a layer's compute waited for its copy)."""
+        row = np.full(self.config.num_experts, -1, dtype=np.int64)
+        pending = self.pending_copy
+        resident = self.cache.resident(layer)
+        ready = [(e, s) for e, s in resident.items() if s not in pending] if pending else list(resident.items())
+        if ready:
+            experts, slots = zip(*ready)
+            row[list(experts)] = slots
+        return row
+
     def _sync_slot_map(self, layer) -> None:
-        """The device slot map's row of `layer`: its resident experts whose copies the compute has waited for
-        (a prefetched expert is listed once a layer's compute waited for its copy). Copied only when it changed."""
+        """Inside an offloaded forward: the device slot map's row of `layer`, copied when it changed."""
         if layer not in self._slots_changed:
             return
         self._slots_changed.discard(layer)
         pos = self.layer_pos[layer]
-        row = np.full(self.config.num_experts, -1, dtype=np.int64)
-        pending = self.pending_copy
-        ready = [(e, s) for e, s in self.cache.resident(layer).items() if s not in pending]
-        if ready:
-            experts, slots = zip(*ready)
-            row[list(experts)] = slots
+        row = self._slot_row(layer)
         if np.array_equal(row, self._ready[pos]):
             return
         self._ready[pos] = row
@@ -650,10 +667,29 @@ class ExpertManager:
             self._start_forward(info)
 
     def _prepare_device(self, mapped: bool) -> None:
-        """The device state a forward reads: the slot map settled, and the capture table armed for a mapped one."""
+        """The device state a forward reads: the slot map settled, and the capture table armed for a mapped one,
+        written in one copy when it changed (one copy per changed layer took 0.63 ms of host time a forward for
+        oled at 40 % on learned routing, where capture changes most layers' rows every forward; BENCHMARKS.md
+        section 28)."""
         self._settle_slots()
         if self.capture_table is not None:
             self._arm_capture(self.residency.arm_capture(mapped))
+        if self._state_dirty:
+            self._write_device_state()
+
+    def _write_device_state(self) -> None:
+        """The host's mirror of the device state (slot map and capture table) copied to the device in one copy,
+        queued on the current stream: the next forward reads it, the forward before it read the old state."""
+        self._state_dirty = False
+        if not self.cuda:
+            self._device_state.copy_(torch.from_numpy(self._state_host))
+            return
+        self._state_flip ^= 1
+        staging, copied = self._state_staging[self._state_flip], self._state_copied[self._state_flip]
+        copied.synchronize()
+        staging.numpy()[...] = self._state_host
+        self._device_state.copy_(staging, non_blocking=True)
+        copied.record()
 
     def _start_forward(self, info: ForwardInfo) -> None:
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
@@ -737,33 +773,33 @@ class ExpertManager:
         self._prepared = True
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
-        """The capture table for the forward that begins: each layer's armed slots (Residency.arm_capture),
-        written before the forward on its stream. Not on the mapped path: nothing reads it."""
+        """The capture table's mirror for the forward that begins: each layer's armed slots
+        (Residency.arm_capture). Not on the mapped path: nothing reads it."""
         if not armed:
             return
         table = np.full_like(self._capture_host, -1)
         for layer, slots in armed.items():
             table[self.layer_pos[layer], : len(slots)] = slots
-        if np.array_equal(table, self._capture_host):
-            return
-        self._capture_host = table
-        # two pinned tables used in turn: the one written two forwards ago was copied before the host read that
-        # forward's routing back
-        self._capture_flip ^= 1
-        staging = self._capture_staging[self._capture_flip]
-        staging.copy_(torch.from_numpy(table))
-        self.capture_table.copy_(staging, non_blocking=self.cuda)
+        if not np.array_equal(table, self._capture_host):
+            self._capture_host[...] = table
+            self._state_dirty = True
 
     def _settle_slots(self) -> None:
-        """Before a forward: the compute waits for the copies decided since the last one, then the device slot map
-        is rewritten for every layer that changed, so each forward starts with the slot tables and the map equal."""
+        """Before a forward: the compute waits for the copies decided since the last one, then the slot map's mirror
+        is brought up to date for every layer that changed, so each forward starts with the slot tables and the map
+        equal (once _prepare_device writes it)."""
         if self.cuda and self.pending_copy:
             stream = torch.cuda.current_stream(self.device)
             for ev in {id(ev): ev for ev in self.pending_copy.values()}.values():
                 stream.wait_event(ev)
-            self.pending_copy.clear()
-        for layer in sorted(self._slots_changed, key=self.layer_pos.__getitem__):
-            self._sync_slot_map(layer)
+        self.pending_copy.clear()
+        for layer in self._slots_changed:
+            pos = self.layer_pos[layer]
+            row = self._slot_row(layer)
+            if not np.array_equal(row, self._ready[pos]):
+                self._ready[pos] = row
+                self._state_dirty = True
+        self._slots_changed.clear()
 
     def _record_routing(self, record) -> None:
         layers, host, copied = record
