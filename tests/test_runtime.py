@@ -328,8 +328,8 @@ def test_the_residents_view_follows_every_change_of_the_slot_table():
 
 @pytest.mark.parametrize("policy", ["lru", "oled-retain", "oled", "tide"])
 def test_a_budget_that_holds_every_expert_records_the_event_paths_statistics_without_asking_the_policy(policy):
-    """At a budget that holds every expert (the all-resident path) no layer event reaches the policy (its decide
-    would have nothing to load or evict), and each layer's statistics equal what the event path records for the same
+    """At a budget that holds every expert (the all-resident path) no event reaches the policy (its decide would
+    have nothing to load or evict), and each layer's statistics equal what the event path records for the same
     routing: pairs, experts, hits, tokens per expert, residents and residents used."""
     from oled.runtime.budget import ExpertBudget
     from oled.runtime.expert_cache import ExpertCache
@@ -347,12 +347,18 @@ def test_a_budget_that_holds_every_expert_records_the_event_paths_statistics_wit
         def decide(self, event):
             raise AssertionError("a layer event on the all-resident path")
 
+        def on_forward(self, info):
+            raise AssertionError("a forward's event on the all-resident path")
+
+        def on_iteration(self, event):
+            raise AssertionError("an iteration's event on the all-resident path")
+
     rng = np.random.default_rng(0)
     recorded, evented = residency(NoEvents()), residency(make_policy(policy))
     assert recorded.all_resident and recorded.holds_everything
     for forward in range(3):
         info = ForwardInfo(kind="iteration", start=0, tokens=5, block_start=0, block_length=5)
-        recorded.begin_forward(info)
+        recorded.begin_resident_forward(info)
         evented.begin_forward(info)
         for layer in (1, 2):
             ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(5)])

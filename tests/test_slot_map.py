@@ -48,21 +48,23 @@ def test_the_device_slot_map_agrees_with_the_host_tables_after_every_layer(polic
 def test_a_budget_that_holds_every_expert_runs_the_all_resident_forward():
     """At 100 % every expert is placed at the start, whatever the policy: the forward is the all-resident one (no
     host step per layer), the tokens are full's, and the policy is asked nothing about a layer (no decision could
-    load or evict), while every layer's statistics are recorded after the forward, as full's are."""
-    llm = make_llm("lru", "1.0")
+    load or evict) nor of a forward or an iteration, while every layer's statistics are recorded after the forward,
+    as full's are."""
+    llm = make_llm("oled", "1.0")
     m = llm.engine.manager
     assert m.all_resident and all(len(m.cache.resident(layer)) == m.config.num_experts for layer in m.layers)
     calls = {"decide_offloaded": 0, "policy": 0}
-    decide_offloaded, decide = m.decide_offloaded, m.policy.decide
 
-    def counting_offloaded(*a):
-        calls["decide_offloaded"] += 1
-        return decide_offloaded(*a)
+    def counting(owner, name, key):
+        inner = getattr(owner, name)
 
-    def counting_decide(event):
-        calls["policy"] += 1
-        return decide(event)
-    m.decide_offloaded, m.policy.decide = counting_offloaded, counting_decide
+        def counted(*a):
+            calls[key] += 1
+            return inner(*a)
+        setattr(owner, name, counted)
+    counting(m, "decide_offloaded", "decide_offloaded")
+    for name in ("decide", "on_forward", "on_iteration"):
+        counting(m.policy, name, "policy")
     out = llm.generate(PROMPT, gen_length=48)
     full = make_llm("full", "1.0")
     reference = full.generate(PROMPT, gen_length=48)
@@ -75,27 +77,26 @@ def test_a_budget_that_holds_every_expert_runs_the_all_resident_forward():
 
 
 def test_the_all_resident_host_work_runs_behind_the_next_forward_and_in_order():
-    """Inside a request (manager.overlapped) an all-resident forward's host work (its start, its routing's records,
-    the iteration's event) is done once the next forward is queued: while a forward runs, the policy has seen one
-    iteration fewer than without the overlap; the events, their order, the statistics and the tokens are the
-    same."""
+    """Inside a request (manager.overlapped) an all-resident forward's host work (its start and its routing's
+    records) is done once the next forward is queued: while a forward runs, one forward fewer has been started than
+    without the overlap; the host work, its order, the statistics and the tokens are the same."""
     import contextlib
 
     def run(overlap: bool):
         llm = make_llm("lru", "1.0")
-        m, policy = llm.engine.manager, llm.engine.manager.policy
+        m, residency = llm.engine.manager, llm.engine.manager.residency
         seen, during = [], []
-        for name in ("on_forward", "on_iteration"):
-            inner = getattr(policy, name)
+        for name in ("begin_resident_forward", "record_resident"):
+            inner = getattr(residency, name)
 
-            def wrapped(arg, inner=inner, name=name):
-                seen.append((name, getattr(arg, "layer", None)))
-                return inner(arg)
-            setattr(policy, name, wrapped)
+            def wrapped(*a, inner=inner, name=name):
+                seen.append((name, a[0] if name == "record_resident" else None))
+                return inner(*a)
+            setattr(residency, name, wrapped)
         model_run = llm.engine.model.run
 
         def counting_run(*a, **k):
-            during.append(sum(1 for name, _ in seen if name == "on_iteration"))
+            during.append(sum(1 for name, _ in seen if name == "begin_resident_forward"))
             return model_run(*a, **k)
         llm.engine.model.run = counting_run
         if not overlap:
@@ -106,8 +107,8 @@ def test_the_all_resident_host_work_runs_behind_the_next_forward_and_in_order():
     tokens, seen, during, rows = run(True)
     tokens_now, seen_now, during_now, rows_now = run(False)
     assert tokens == tokens_now and seen == seen_now and rows == rows_now
-    assert len(during) == len(during_now) > 3 and during_now[0] == 0
-    assert during == [0] + [n - 1 for n in during_now[1:]]         # one iteration's event still queued
+    assert len(during) == len(during_now) > 3 and during_now[0] == 1
+    assert during == [n - 1 for n in during_now]         # this forward's start still queued
 
 
 def test_nothing_missing_means_no_wave_after_the_hits():

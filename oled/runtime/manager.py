@@ -104,6 +104,7 @@ class ExpertManager:
         self.shared_blobs: dict[int, torch.Tensor] = {}
         self.layer_done: dict[int, torch.cuda.Event] = {}      # last compute that read a layer's slots
         self.pending_copy: dict[int, torch.cuda.Event] = {}    # slot -> copy event not yet waited for
+        self._last_copy: torch.cuda.Event | None = None        # the copy stream's last event: covers every copy
         self.predictors: dict[int, object] = {}                # layer -> router of that layer (for prefetch)
         self.cpu_kernel = cpu_kernel
         self.costs = costs        # measured miss-service costs: each CPU job's predicted time is recorded beside its
@@ -208,6 +209,7 @@ class ExpertManager:
                     self.cache.pool[s].copy_(self.store.blob(layer, e), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
+        self._last_copy = event
         for s in slots:
             self.pending_copy[s] = event
 
@@ -625,9 +627,8 @@ class ExpertManager:
 
     # ------------------------------------------------------------------------------------------ loop events
     # On the all-resident path nothing in a forward waits for the host, so inside `overlapped()` the host's share of
-    # each forward (its start, its routing's statistics and policy events, the iteration's event) is queued and done
-    # once the loop has queued the next forward (`launched`), while the GPU runs it: the policy still sees every
-    # event in order, one forward late.
+    # each forward (its start and its routing's statistics; the policy is told nothing there) is queued and done once
+    # the loop has queued the next forward (`launched`), while the GPU runs it: in order, one forward late.
     @contextlib.contextmanager
     def overlapped(self):
         """A request's forwards, with the all-resident path's host work done behind the next forward; everything
@@ -651,10 +652,10 @@ class ExpertManager:
     def begin_forward(self, info: ForwardInfo) -> None:
         """A forward is about to be queued. What the device reads (the settled slot map, the path, the capture table)
         is set now, unless the last mapped forward's decisions set it already for a mapped one (_decide_mapped).
-        The policy's bookkeeping (the last iteration's event, this forward's start) waits behind the
-        launch where nothing in the forward depends on it: on the all-resident path, and on the mapped path, whose
-        decisions are made from the routing read back after the launch (end_forward). A host round trip decides as
-        the forward runs, so the bookkeeping is done first."""
+        The host's bookkeeping (the last iteration's event, this forward's start) waits behind the
+        launch where nothing in the forward depends on it: on the all-resident path (statistics only), and on the
+        mapped path, whose decisions are made from the routing read back after the launch (end_forward). A host round
+        trip decides as the forward runs, so the bookkeeping is done first."""
         if self.mapped:
             self._mapped_now = self.residency.takes_mapped_path(info)
             if not (self._prepared and self._mapped_now):
@@ -692,6 +693,9 @@ class ExpertManager:
         copied.record()
 
     def _start_forward(self, info: ForwardInfo) -> None:
+        if self.all_resident:                     # nothing to decide: the policy hears of no forward
+            self.residency.begin_resident_forward(info)
+            return
         scale = self.cpu_feedback.next_scale() if self.cpu_feedback is not None else 1.0
         self.residency.begin_forward(info, cpu_scale=scale)
         if self.cpu_kernel is not None and self.cpu_wake == "forward":
@@ -788,14 +792,16 @@ class ExpertManager:
         """Before a forward: the compute waits for the copies decided since the last one, then the slot map's mirror
         is brought up to date for every layer that changed, so each forward starts with the slot tables and the map
         equal (once _prepare_device writes it)."""
-        if self.cuda and self.pending_copy:
-            stream = torch.cuda.current_stream(self.device)
-            for ev in {id(ev): ev for ev in self.pending_copy.values()}.values():
-                stream.wait_event(ev)
+        if self.cuda and self.pending_copy:       # the copy stream runs in order: its last event covers the others
+            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
         self.pending_copy.clear()
+        E = self.config.num_experts
         for layer in self._slots_changed:
             pos = self.layer_pos[layer]
-            row = self._slot_row(layer)
+            resident = self.cache.resident(layer)     # every resident is ready now
+            row = np.full(E, -1, dtype=np.int64)
+            row[np.fromiter(resident.keys(), np.int64, len(resident))] = np.fromiter(resident.values(), np.int64,
+                                                                                   len(resident))
             if not np.array_equal(row, self._ready[pos]):
                 self._ready[pos] = row
                 self._state_dirty = True
@@ -809,9 +815,11 @@ class ExpertManager:
             self.residency.record_resident(layer, ids.copy())
 
     def on_iteration(self, event: IterationEvent) -> None:
-        # behind the next launch where that forward does not decide as it runs (begin_forward): with the host
-        # waiting on nothing else, the GPU would wait on the policy's bookkeeping between forwards
-        if self._overlap or self.mapped:
+        if self.all_resident:                     # nothing to decide (Residency.begin_resident_forward)
+            return
+        # on the mapped path behind the next launch (that forward does not decide as it runs, begin_forward): with
+        # the host waiting on nothing else, the GPU would wait on the policy's bookkeeping between forwards
+        if self.mapped:
             self._deferred.append((self.policy.on_iteration, event))
         else:
             self.policy.on_iteration(event)

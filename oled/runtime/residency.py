@@ -109,6 +109,14 @@ class Residency:
         self.stats.begin_forward(info.kind)
         self.policy.on_forward(info)
 
+    def begin_resident_forward(self, info: ForwardInfo) -> None:
+        """A forward on the all-resident path starts: its statistics only. The policy is told nothing, of this
+        forward or of its layers (record_resident): with every expert resident for good it has nothing to decide,
+        and its bookkeeping would only take host time (oled's reuse scores cost a host-bound model at 100 % about 0.2
+        ms a forward on the H200, BENCHMARKS.md section 29)."""
+        self.forward = info
+        self.stats.begin_forward(info.kind)
+
     # --------------------------------------------------------------------------------------------- per layer
     def begin_layer(self, layer: int, ids: np.ndarray, weights: np.ndarray,
                     predicted: np.ndarray | None = None, mapped: bool = False) -> LayerStep:

@@ -103,6 +103,9 @@ class ReplayManager:
                 forward += 1
                 scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
                 info = t.forward_info(forward)
+                if all_resident:
+                    res.begin_resident_forward(info)
+                    continue
                 mapped = res.takes_mapped_path(info)
                 res.arm_capture(mapped)
                 res.begin_forward(info, cpu_scale=scale)
@@ -110,7 +113,7 @@ class ReplayManager:
                 for layer, ids in static_log:
                     res.record_resident(layer, ids)
                 static_log.clear()
-            elif op == EVENT:
+            elif op == EVENT and not all_resident:
                 policy.on_iteration(t.event(arg))
             elif op == REQUEST:
                 policy.on_request_start()
