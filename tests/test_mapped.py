@@ -184,7 +184,7 @@ def test_a_policy_that_never_loads_arms_no_capture():
     kept = {}
     for name, options in (("lru", {}), ("fiddler", {"popularity": {"1": {"3": 5}}})):
         policy = make_policy(name, **options)
-        res = Residency(ExpertCache([1], budget, 1, None, "meta"), policy, RunStats(), num_experts=16, top_k=2,
+        res = Residency(ExpertCache([1], budget, 1, None, "meta", 16), policy, RunStats(), num_experts=16, top_k=2,
                         expert_bytes=1, mapped_rows=16, capture_slots=4)
         kept[name] = res.capture_slots
     assert kept == {"lru": 4, "fiddler": 0}

@@ -277,7 +277,7 @@ def test_belady_equals_the_brute_force_optimum(seed):
     capacity, n_experts = rng.randint(1, 3), rng.randint(3, 6)
     seq = [frozenset(rng.sample(range(n_experts), rng.randint(1, capacity))) for _ in range(rng.randint(3, 9))]
     budget = ExpertBudget(slots_per_layer=capacity, num_layers=1, expert_bytes=1, total_expert_bytes=n_experts)
-    cache = ExpertCache([1], budget, 1, None, "meta")
+    cache = ExpertCache([1], budget, 1, None, "meta", n_experts)
     policy = make_policy("belady")
     res = Residency(cache, policy, RunStats(), num_experts=n_experts, top_k=capacity, expert_bytes=1)
     policy.set_future({1: [set(s) for s in seq]})

@@ -312,7 +312,7 @@ def test_the_residents_view_follows_every_change_of_the_slot_table():
     from oled.runtime.stats import RunStats
 
     budget = ExpertBudget(slots_per_layer=4, num_layers=2, expert_bytes=1, total_expert_bytes=16)
-    cache = ExpertCache([1, 2], budget, 1, None, "meta")
+    cache = ExpertCache([1, 2], budget, 1, None, "meta", 8)
     res = Residency(cache, make_policy("lru"), RunStats(), num_experts=8, top_k=2, expert_bytes=1)
     empty, _ = res.residents(1)
     cache.insert(1, 5)
@@ -324,6 +324,39 @@ def test_the_residents_view_follows_every_change_of_the_slot_table():
     resident, ids = res.residents(1)
     assert resident == {3} and ids.tolist() == [3] and not ids.flags.writeable
     assert res.residents(2)[0] == frozenset() and cache.version == {1: 3, 2: 0}
+
+
+def test_the_cache_keeps_its_slot_tables_as_an_array():
+    """ExpertCache.table (from which the device slot map is written) equals the slot tables after every insert,
+    capture and eviction, in random order."""
+    import random
+
+    from oled.runtime.budget import ExpertBudget
+    from oled.runtime.expert_cache import ExpertCache
+
+    rng = random.Random(0)
+    budget = ExpertBudget(slots_per_layer=3, num_layers=2, expert_bytes=1, total_expert_bytes=20)
+    cache = ExpertCache([4, 7], budget, 1, None, "meta", 10)
+    done = {"evict": 0, "insert": 0, "insert_at": 0}
+    for step in range(200):
+        layer = rng.choice([4, 7])
+        resident = cache.resident(layer)
+        absent = [e for e in range(10) if e not in resident]
+        if resident and (not cache.has_free_slot(layer) or rng.random() < 0.4):
+            cache.evict(layer, rng.choice(sorted(resident)))
+            done["evict"] += 1
+        elif rng.random() < 0.5:
+            cache.insert(layer, rng.choice(absent))
+            done["insert"] += 1
+        else:
+            cache.insert_at(layer, rng.choice(absent), rng.choice(cache.free[layer]))
+            done["insert_at"] += 1
+        for pos, lay in enumerate(cache.layers):
+            expected = [-1] * 10
+            for e, slot in cache.resident(lay).items():
+                expected[e] = slot
+            assert cache.table[pos].tolist() == expected, (step, lay)
+    assert min(done.values()) > 20
 
 
 @pytest.mark.parametrize("policy", ["lru", "oled-retain", "oled", "tide"])
@@ -338,7 +371,7 @@ def test_a_budget_that_holds_every_expert_records_the_event_paths_statistics_wit
 
     def residency(pol):
         budget = ExpertBudget(slots_per_layer=8, num_layers=2, expert_bytes=1, total_expert_bytes=16)
-        res = Residency(ExpertCache([1, 2], budget, 1, None, "meta"), pol, RunStats(), num_experts=8, top_k=2,
+        res = Residency(ExpertCache([1, 2], budget, 1, None, "meta", 8), pol, RunStats(), num_experts=8, top_k=2,
                         expert_bytes=1, costs=balanced_costs(1))
         res.place_initial()
         return res

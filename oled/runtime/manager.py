@@ -80,7 +80,8 @@ class ExpertManager:
         self.layers = store.layers
         self.layer_pos = store.layer_pos
         self.hidden, self.inter = store.hidden, store.intermediate
-        self.cache = ExpertCache(self.layers, budget, store.numel, store.dtype, self.device)
+        self.cache = ExpertCache(self.layers, budget, store.numel, store.dtype, self.device,
+                                 self.config.num_experts)
         self.stats = RunStats()
         self.timer = timer
         self.cuda = self.device.type == "cuda"
@@ -151,8 +152,7 @@ class ExpertManager:
         # copy when it changed, and inside an offloaded forward a layer's row of the slot map (_sync_slot_map).
         self._state_host = np.full((len(self.layers), E + capture), -1, dtype=np.int64)
         self._ready, self._capture_host = self._state_host[:, :E], self._state_host[:, E:]
-        for pos, layer in enumerate(self.layers):
-            self._ready[pos] = self._slot_row(layer)
+        self._ready[...] = self.cache.table       # the initial placement's copies were waited for
         self._device_state = torch.tensor(self._state_host, device=self.device)     # a copy, on the CPU too
         self.slot_map = self._device_state[:, :E]
         self.capture_table = self._device_state[:, E:] if capture else None
@@ -534,13 +534,9 @@ class ExpertManager:
     def _slot_row(self, layer) -> np.ndarray:
         """The slot map's row of `layer` as the tables have it: its resident experts whose copies the compute has
         waited for (a prefetched expert is listed once a layer's compute waited for its copy)."""
-        row = np.full(self.config.num_experts, -1, dtype=np.int64)
-        pending = self.pending_copy
-        resident = self.cache.resident(layer)
-        ready = [(e, s) for e, s in resident.items() if s not in pending] if pending else list(resident.items())
-        if ready:
-            experts, slots = zip(*ready)
-            row[list(experts)] = slots
+        row = self.cache.table[self.layer_pos[layer]].copy()
+        if self.pending_copy:
+            row[np.isin(row, np.fromiter(self.pending_copy, np.int64, len(self.pending_copy)))] = -1
         return row
 
     def _sync_slot_map(self, layer) -> None:
@@ -795,16 +791,10 @@ class ExpertManager:
         if self.cuda and self.pending_copy:       # the copy stream runs in order: its last event covers the others
             torch.cuda.current_stream(self.device).wait_event(self._last_copy)
         self.pending_copy.clear()
-        E = self.config.num_experts
-        for layer in self._slots_changed:
-            pos = self.layer_pos[layer]
-            resident = self.cache.resident(layer)     # every resident is ready now
-            row = np.full(E, -1, dtype=np.int64)
-            row[np.fromiter(resident.keys(), np.int64, len(resident))] = np.fromiter(resident.values(), np.int64,
-                                                                                   len(resident))
-            if not np.array_equal(row, self._ready[pos]):
-                self._ready[pos] = row
-                self._state_dirty = True
+        # every resident is ready now: the map is the tables (kept as an array beside them, ExpertCache.table)
+        if self._slots_changed and not np.array_equal(self.cache.table, self._ready):
+            self._ready[...] = self.cache.table
+            self._state_dirty = True
         self._slots_changed.clear()
 
     def _record_routing(self, record) -> None:

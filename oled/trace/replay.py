@@ -55,7 +55,8 @@ class ReplayManager:
         else 0; the free slots a layer keeps for captured misses)."""
         model = trace.header["model"]
         self.trace, self.policy, self.budget, self.cpu_scales = trace, policy, budget, cpu_scales
-        self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta")   # slot tables only
+        self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta",    # slot tables only
+                                 model["num_experts"])
         self.stats = RunStats()
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
                                    top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs,
@@ -127,7 +128,7 @@ def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, 
     routing of its reference pass."""
     budget = parse_budget(expert_budget, num_layers=len(layers), num_experts=num_experts, expert_bytes=expert_bytes)
     pol = make_policy(policy)
-    cache = ExpertCache(layers, budget, 1, torch.float32, "meta")
+    cache = ExpertCache(layers, budget, 1, torch.float32, "meta", num_experts)
     stats = RunStats()
     res = Residency(cache, pol, stats, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes)
     res.place_initial()
