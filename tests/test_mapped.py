@@ -6,6 +6,8 @@ map equal to the host's slot tables, the statistics split every pair into a hit 
 forwards (prefill, cache fills) keep the host round trip."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -490,6 +492,39 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
     assert one["fetched_per_iteration"] <= three["fetched_per_iteration"] <= both["fetched_per_iteration"]
     assert both["fetched_per_iteration"] <= three["fetched_per_iteration"] + block["fetched_per_iteration"]
     assert all(0 <= r["wasted_fraction"] <= 1 for r in rows.values())
+
+
+def test_the_miss_bursts_on_the_bundled_trace(capsys):
+    """benchmarks/miss_bursts.py: every denoising iteration is in one step group, the groups' bytes are the replay's
+    mapped bytes and their shares add up to one, step 0 is each block's first iteration, and the heaviest tenth of
+    the iterations holds at least its share."""
+    from pathlib import Path
+
+    from oled.trace import Trace
+    from oled.trace.replay import replay_manager
+
+    root = Path(__file__).parents[1]
+    trace = Trace.load(root / "tests/data/tiny-code.trace")
+    script = benchmark_script("miss_bursts")
+    row = script.bursts(trace, "lru", "0.5", 2, expert_bytes=10**9, last_step=3)
+    groups = row["by_step"]
+    assert [g["step"] for g in groups] == [0, 1, 2, "3+"][: len(groups)] and len(groups) >= 2
+    assert sum(g["iterations"] for g in groups) == row["iterations"] > 0
+    assert sum(g["share"] for g in groups) == pytest.approx(1.0)
+    replayed = replay_manager(trace, "lru", "0.5", mapped_rows=script.mapped_rows(True), capture_slots=2)
+    records = [r for r in replayed.replay().records if r.kind == "iteration"]
+    blob_reads = sum(r.bytes_mapped for r in records) / trace.header["model"]["expert_bytes"]
+    blocks = {(int(trace.fwd_request[f]), trace.forward_info(f).block_start) for f in range(len(trace.fwd_kind))
+              if trace.forward_info(f).kind == "iteration"}
+    assert groups[0]["iterations"] == len(blocks)
+    total = sum(g["mapped_gb_mean"] * g["iterations"] for g in groups)      # 1 GB experts: blobs read
+    assert total == pytest.approx(row["mapped_gb_per_iteration"] * row["iterations"])
+    assert total == pytest.approx(blob_reads) and total >= sum(r.experts_mapped for r in records) > 0
+    assert 0.1 <= row["heaviest_tenth_share"] <= 1.0
+    assert script.main([str(root / "tests/data/tiny-code.trace"), "--budgets", "0.5", "--policies", "lru",
+                        "--capture-slots", "2", "--steps", "3", "--expert-mib", "953.67431640625"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(printed) == 1 and printed[0]["by_step"] == pytest.approx(groups)
 
 
 def test_the_cooperative_mapped_estimate_on_the_bundled_trace():

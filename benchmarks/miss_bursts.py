@@ -1,0 +1,87 @@
+"""How a policy's mapped-path bytes spread over the denoising iterations, replayed from a trace on the CPU: whether the
+misses come in a few bursts (a block's first iterations, when its all-mask positions route anew) or in every
+iteration. It tells where work on the critical path's bytes would have to act: on a block's first iterations only
+(the host round trip there, with the CPU's share of the misses), or inside every mapped forward.
+Per (policy, budget): the iterations grouped by their step in the block (0: the block's first; the last group holds
+every step from --steps on), each group's iterations, mean GB read from host memory an iteration and share of all
+the bytes read; and the share held by the heaviest tenth of the iterations. Bytes only, no timing.
+
+    python benchmarks/miss_bursts.py benchmarks/traces/proxy-chat.trace --requests 1 --expert-mib 6 --budgets 0.4 \
+        --policies oled-retain,belady
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from oled.kernels.triton_moe import mapped_rows
+from oled.trace import Trace, selection
+from oled.trace.replay import replay_manager
+
+
+def block_steps(trace: Trace) -> dict[int, int]:
+    """forward -> its step in its block, for the trace's denoising iterations (0: the block's first)."""
+    steps, block, step = {}, None, 0
+    for f in range(len(trace.fwd_kind)):
+        info = trace.forward_info(f)
+        if info.kind != "iteration":
+            continue
+        key = (int(trace.fwd_request[f]), info.block_start)
+        step = step + 1 if key == block else 0
+        block = key
+        steps[f] = step
+    return steps
+
+
+def bursts(trace: Trace, policy: str, budget: str, capture_slots: int, expert_bytes: int, last_step: int,
+           costs=None) -> dict:
+    """One replay on the mapped path with capture_slots; bytes at expert_bytes an expert."""
+    mgr = replay_manager(trace, policy, budget, costs, mapped_rows=mapped_rows(True), capture_slots=capture_slots)
+    scale = expert_bytes / trace.header["model"]["expert_bytes"]
+    per_forward: dict[int, float] = defaultdict(float)
+    for r in mgr.replay().records:
+        if r.kind == "iteration":
+            per_forward[r.forward] += r.bytes_mapped * scale / 1e9
+    steps = block_steps(trace)
+    total = sum(per_forward.values())
+    groups: dict[int, list[float]] = defaultdict(list)
+    for f, step in steps.items():
+        groups[min(step, last_step)].append(per_forward.get(f, 0.0))
+    heaviest = np.sort(np.array([per_forward.get(f, 0.0) for f in steps]))[::-1]
+    tenth = max(1, len(heaviest) // 10)
+    return {"policy": policy, "budget": budget, "capture_slots": capture_slots, "iterations": len(steps),
+            "mapped_gb_per_iteration": total / max(len(steps), 1),
+            "by_step": [{"step": s if s < last_step else f"{last_step}+", "iterations": len(v),
+                         "mapped_gb_mean": float(np.mean(v)), "share": sum(v) / total if total else 0.0}
+                        for s, v in sorted(groups.items())],
+            "heaviest_tenth_share": float(heaviest[:tenth].sum() / total) if total else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--budgets", default="0.4")
+    ap.add_argument("--policies", default="oled-retain,belady")
+    ap.add_argument("--capture-slots", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=6, help="block steps shown one by one; later ones are grouped")
+    ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one (policies that "
+                                    "plan on costs)")
+    selection.add_selection_args(ap)
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps: at least 1")
+    from oled.runtime.cost_model import CostModel
+    costs = CostModel.from_file(args.costs) if args.costs else None
+    trace = selection.selected_trace(args.trace, args.requests)
+    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
+    for budget in args.budgets.split(","):
+        for policy in args.policies.split(","):
+            print(json.dumps(bursts(trace, policy, budget, args.capture_slots, size, args.steps, costs)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
