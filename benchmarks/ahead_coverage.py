@@ -87,12 +87,8 @@ def coverage(trace: Trace, policy: str, budget: str, capture_slots: int, windows
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--budgets", default="0.6,0.4,0.25")
-    ap.add_argument("--policies", default="oled-retain")
+    selection.add_replay_args(ap, policies="oled-retain", costs=False)
     ap.add_argument("--windows", default="1,2,4,8", help="comma list of W for recent:W (iterations looked back)")
-    ap.add_argument("--capture-slots", type=int, default=16)
-    selection.add_selection_args(ap)
     args = ap.parse_args(argv)
     trace = selection.selected_trace(args.trace, args.requests)
     windows = sorted({int(w) for w in args.windows.split(",")})

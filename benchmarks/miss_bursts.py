@@ -62,19 +62,12 @@ def bursts(trace: Trace, policy: str, budget: str, capture_slots: int, expert_by
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--budgets", default="0.4")
-    ap.add_argument("--policies", default="oled-retain,belady")
-    ap.add_argument("--capture-slots", type=int, default=16)
+    selection.add_replay_args(ap, policies="oled-retain,belady", budgets="0.4")
     ap.add_argument("--steps", type=int, default=6, help="block steps shown one by one; later ones are grouped")
-    ap.add_argument("--costs", help="cost model JSON, or an oled bench results.jsonl carrying one (policies that "
-                                    "plan on costs)")
-    selection.add_selection_args(ap)
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps: at least 1")
-    from oled.runtime.cost_model import CostModel
-    costs = CostModel.from_file(args.costs) if args.costs else None
+    costs = selection.replay_costs(args.costs)
     trace = selection.selected_trace(args.trace, args.requests)
     size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
     for budget in args.budgets.split(","):

@@ -14,8 +14,7 @@ import argparse
 import json
 
 from oled.kernels.triton_moe import mapped_rows
-from oled.runtime.cost_model import CostModel
-from oled.trace import Trace
+from oled.trace import Trace, selection
 from oled.trace.replay import replay_manager
 
 
@@ -47,16 +46,12 @@ def coverage(trace: Trace, policy: str, budget: str, costs, capture_slots: int) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--budgets", default="0.6,0.4,0.25")
-    ap.add_argument("--policies", default="oled,lru")
-    ap.add_argument("--capture-slots", type=int, default=16)
-    ap.add_argument("--costs", help="a cost model's JSON or an `oled bench` results.jsonl (for planning policies)")
+    selection.add_replay_args(ap, policies="oled,lru", expert_mib=False)
     args = ap.parse_args(argv)
-    trace = Trace.load(args.trace)
+    trace = selection.selected_trace(args.trace, args.requests)
     if not trace.has_predictions:
         ap.error(f"{args.trace} records no predictions (record it with a policy that wants them)")
-    costs = None if args.costs is None else CostModel.from_file(args.costs)
+    costs = selection.replay_costs(args.costs)
     for budget in args.budgets.split(","):
         for policy in args.policies.split(","):
             print(json.dumps(coverage(trace, policy, budget, costs, args.capture_slots)), flush=True)

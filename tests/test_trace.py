@@ -264,3 +264,17 @@ def test_the_replay_scripts_trace_selection():
     selection.add_selection_args(ap)
     args = ap.parse_args(["--requests", "2", "--expert-mib", "0.5"])
     assert (args.requests, args.expert_mib) == (2, 0.5)
+    # the policy-replay scripts' arguments: defaults as given, --costs and --expert-mib only where asked for
+    ap = argparse.ArgumentParser()
+    selection.add_replay_args(ap, policies="lru,oled", budgets="0.4")
+    args = ap.parse_args(["t.trace"])
+    assert (args.trace, args.budgets, args.policies, args.capture_slots, args.costs, args.requests,
+            args.expert_mib) == ("t.trace", "0.4", "lru,oled", 16, None, None, None)
+    assert selection.replay_costs(None) is None
+    costs = Path(__file__).parents[1] / "benchmarks/results/h200/s30/call5/grid/results.jsonl.gz"
+    assert selection.replay_costs(str(costs)).expert_bytes == 6 * 2**20
+    bare = argparse.ArgumentParser()
+    selection.add_replay_args(bare, policies="lru", costs=False, expert_mib=False)
+    for option in ("--costs", "--expert-mib"):
+        with pytest.raises(SystemExit):
+            bare.parse_args(["t.trace", option, "1"])

@@ -1,15 +1,40 @@
 """The part of a trace a CPU replay script reads, and the expert size it counts bytes at: the replay scripts under
 benchmarks/ take the same two options. A routing proxy's experts are small (48 KiB), so its traces' bytes are
-rescaled to the experts `oled bench --routing` replays them on (6 MiB for LLaDA2.0-mini)."""
+rescaled to the experts `oled bench --routing` replays them on (6 MiB for LLaDA2.0-mini). The scripts that replay
+policies on the mapped path also share their trace, budget, policy, capture and cost-model arguments
+(add_replay_args, replay_costs)."""
 from __future__ import annotations
 
 from .format import Trace
 
 
-def add_selection_args(ap, size_default: str = "the trace's") -> None:
-    """--requests N and --expert-mib M on an argparse parser."""
+def add_replay_args(ap, policies: str, budgets: str = "0.6,0.4,0.25", costs: bool = True,
+                    expert_mib: bool = True) -> None:
+    """The trace (positional), --budgets, --policies, --capture-slots (16, the engine's default), --costs when
+    `costs` (for the policies that plan on the cost model), and add_selection_args' options (--expert-mib only for
+    a script that counts bytes)."""
+    ap.add_argument("trace")
+    ap.add_argument("--budgets", default=budgets)
+    ap.add_argument("--policies", default=policies)
+    ap.add_argument("--capture-slots", type=int, default=16)
+    if costs:
+        ap.add_argument("--costs", help="a cost model's JSON or an `oled bench` results.jsonl carrying one (for "
+                                        "the policies that plan on it)")
+    add_selection_args(ap, expert_mib=expert_mib)
+
+
+def replay_costs(path):
+    """--costs: the cost model it names, or None without it."""
+    from ..runtime.cost_model import CostModel
+
+    return None if path is None else CostModel.from_file(path)
+
+
+def add_selection_args(ap, size_default: str = "the trace's", expert_mib: bool = True) -> None:
+    """--requests N and (with expert_mib) --expert-mib M on an argparse parser."""
     ap.add_argument("--requests", type=int, help="only the trace's first N requests (oled bench --prompts N)")
-    ap.add_argument("--expert-mib", type=float, help=f"expert size for the bytes (default: {size_default})")
+    if expert_mib:
+        ap.add_argument("--expert-mib", type=float, help=f"expert size for the bytes (default: {size_default})")
 
 
 def selected_trace(path, requests: int | None) -> Trace:
