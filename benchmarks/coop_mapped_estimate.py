@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from oled.config import EngineConfig
 from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.cost_model import CostModel
 from oled.runtime.planner import PlanInputs, plan_cost, split_misses
@@ -36,7 +37,8 @@ def mapped_read_costs(costs: CostModel, gbps: float, expert_bytes: int) -> CostM
     return CostModel.from_dict(d)
 
 
-def estimate(trace: Trace, policy: str, budget: str, costs: CostModel, capture_slots: int = 16) -> dict:
+def estimate(trace: Trace, policy: str, budget: str, costs: CostModel,
+             capture_slots: int = EngineConfig.capture_slots) -> dict:
     mgr = replay_manager(trace, policy, budget, mapped_rows=mapped_rows(True), capture_slots=capture_slots)
     totals = {"mapped_s": 0.0, "split_s": 0.0, "cpu_experts": 0, "cpu_pairs": 0, "layers_with_misses": 0}
     forwards = set()
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.6,0.4,0.25")
     ap.add_argument("--policy", default="oled-retain")
     ap.add_argument("--gbps", type=float, default=47.0, help="the mapped reads' rate (GB/s)")
-    ap.add_argument("--capture-slots", type=int, default=16)
+    ap.add_argument("--capture-slots", type=int, default=EngineConfig.capture_slots)
     selection.add_selection_args(ap, size_default="the cost model's")
     args = ap.parse_args(argv)
     trace = selection.selected_trace(args.trace, args.requests)

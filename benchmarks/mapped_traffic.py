@@ -44,10 +44,6 @@ class BlockStartOnHost:
         return self.mapped(info) and not first
 
 
-def load_costs(path: str | None) -> CostModel | None:
-    return None if path is None else CostModel.from_file(path)
-
-
 def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: CostModel | None = None,
         capture_slots: int = 0, expert_bytes: int | None = None) -> dict:
     """One replay; path "capture" is the mapped path with capture_slots; expert_bytes rescales the bytes (None:
@@ -76,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-slots", default="4", help="comma list: a capture path per value ('' for none)")
     selection.add_selection_args(ap)
     args = ap.parse_args(argv)
-    trace, costs = selection.selected_trace(args.trace, args.requests), load_costs(args.costs)
+    trace, costs = selection.selected_trace(args.trace, args.requests), selection.replay_costs(args.costs)
     size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
     for policy in args.policies.split(","):
         for budget in args.budgets.split(","):

@@ -102,11 +102,11 @@ class ReplayManager:
                 decide_layer(res, layer, ids, t.run_weights(arg).copy(), predicted)
             elif op == BEGIN:
                 forward += 1
-                scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
                 info = t.forward_info(forward)
                 if all_resident:
                     res.begin_resident_forward(info)
                     continue
+                scale = 1.0 if self.cpu_scales is None else float(self.cpu_scales[forward])
                 mapped = res.takes_mapped_path(info)
                 res.arm_capture(mapped)
                 res.begin_forward(info, cpu_scale=scale)

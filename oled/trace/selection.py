@@ -5,18 +5,19 @@ policies on the mapped path also share their trace, budget, policy, capture and 
 (add_replay_args, replay_costs)."""
 from __future__ import annotations
 
+from ..config import EngineConfig
 from .format import Trace
 
 
 def add_replay_args(ap, policies: str, budgets: str = "0.6,0.4,0.25", costs: bool = True,
                     expert_mib: bool = True) -> None:
-    """The trace (positional), --budgets, --policies, --capture-slots (16, the engine's default), --costs when
+    """The trace (positional), --budgets, --policies, --capture-slots (the engine's default), --costs when
     `costs` (for the policies that plan on the cost model), and add_selection_args' options (--expert-mib only for
     a script that counts bytes)."""
     ap.add_argument("trace")
     ap.add_argument("--budgets", default=budgets)
     ap.add_argument("--policies", default=policies)
-    ap.add_argument("--capture-slots", type=int, default=16)
+    ap.add_argument("--capture-slots", type=int, default=EngineConfig.capture_slots)
     if costs:
         ap.add_argument("--costs", help="a cost model's JSON or an `oled bench` results.jsonl carrying one (for "
                                         "the policies that plan on it)")
