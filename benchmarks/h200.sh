@@ -34,6 +34,8 @@
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   order  the bundled model at 100 % with ORDER_POLICIES (default full,oled,full,lru,oled-retain,full) in one
 #          `oled bench`, in run order: whether a cell's time depends on the cells run before it in the process
+#   flag   how long a kernel takes to see a mark the host stores in pinned memory, and what a CUDA graph of 19
+#          layers pays when each waits for the CPU kernel's rows (benchmarks/host_flag_probe.py; FLAG_ARGS adds flags)
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
 #          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
@@ -154,6 +156,10 @@ if has policy-step; then
       --policies lru,oled-retain,oled,oled-coop $workers >> $R/policy-step.log 2>&1; echo "policy-step $workers rc=$?"
   done
   cat $R/policy-step.log
+fi
+if has flag; then
+  timeout ${FLAG_S:-120} python3 benchmarks/host_flag_probe.py ${FLAG_ARGS:-} --out $R/host_flag.json > $R/flag.log 2>&1
+  echo "flag rc=$?"; cat $R/flag.log; cp $R/host_flag.json $OUT/ 2>/dev/null
 fi
 if has order; then
   timeout ${ORDER_S:-120} python3 -m oled.cli bench --policies ${ORDER_POLICIES:-full,oled,full,lru,oled-retain,full} \
