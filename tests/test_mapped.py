@@ -373,32 +373,6 @@ def test_a_trace_replays_the_mapped_decisions_exactly(kernels):
         assert sum(r["pairs_mapped"] for r in plain) == 0
 
 
-def test_with_mapped_misses_the_cpu_speed_measured_does_not_move_a_decision():
-    """A cooperative policy on a mapped engine sends its "CPU" misses of the host round trip to the GPU, which reads
-    them from host memory (CostModel.read_by_gpu): replayed on cost models whose CPU terms are 20 x apart, every
-    layer's decisions are the same; without mapped misses the same two models split differently."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from oled.runtime.cost_model import CostModel
-    from oled.runtime.stats import TIMINGS
-    from oled.trace import Trace, replay
-
-    trace = Trace.load(Path(__file__).parents[1] / "tests/data/tiny-code.trace")
-    bytes_ = trace.header["model"]["expert_bytes"]
-    fast = CostModel(expert_bytes=bytes_, h2d_gbps=bytes_ / 1e-4 / 1e9, cpu_seconds={1: 4e-5, 32: 6e-5},
-                     cpu_call_seconds=2e-5, gpu_seconds={1: 1e-6, 32: 3e-6}, source="test: fast CPU")
-    slow = replace(fast, cpu_seconds={t: 20 * s for t, s in fast.cpu_seconds.items()}, cpu_call_seconds=4e-4)
-
-    def rows(policy, costs, mapped_rows, **options):
-        stats = replay(trace, policy, "0.4", costs=costs, mapped_rows=mapped_rows, capture_slots=2, **options).stats
-        return [{k: v for k, v in r.items() if k not in TIMINGS} for r in stats.to_rows()]
-
-    for policy, options in (("oled", {}), ("oled-coop", {}), ("lru", {"misses": "cooperative"})):
-        assert rows(policy, fast, 16, **options) == rows(policy, slow, 16, **options), policy
-    assert rows("oled-coop", fast, 0) != rows("oled-coop", slow, 0)
-
-
 def test_the_traffic_replay_of_the_three_miss_paths():
     """benchmarks/mapped_traffic.py on the bundled model's trace: the host round trip reads nothing mapped, the mapped
     path computes nothing on the CPU and adds the mapped reads to its copies, the hybrid replays each block's

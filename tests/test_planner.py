@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 
 import numpy as np
@@ -29,12 +28,6 @@ def reference_cost(load, cpu, inputs: PlanInputs, m: CostModel) -> float:
     tok = inputs.tokens
     gpu_side = m.load_seconds(len(load)) * (m.copy_slowdown_with_cpu if cpu else 1.0)
     gpu_side += sum(m.gpu_expert_seconds(tok[e]) for e in load)
-    if m.host_read_rows:     # the "CPU" misses read from host memory by the GPU after the copies: the sides add
-        blobs = sum(math.ceil(tok[e] / m.host_read_rows) for e in cpu)
-        reads = blobs * m.expert_bytes / (m.h2d_gbps * 1e9) + sum(m.gpu_expert_seconds(tok[e]) for e in cpu)
-        evictions = max(0, len(load) - inputs.free_slots)
-        return (gpu_side + reads - sum(inputs.credit.get(e, 0.0) for e in load)
-                + sum(inputs.evict_loss[:evictions]))
     cpu_side = 0.0
     if cpu:
         cpu_side = m.cpu_call_seconds + sum(m.cpu_expert_seconds(tok[e]) for e in cpu)
@@ -57,13 +50,11 @@ def _brute(inputs: PlanInputs, m: CostModel) -> float:
     return best
 
 
-def _random_case(rng, n, credits=True, host_reads=False):
+def _random_case(rng, n, credits=True):
     tokens = {e: rng.choice([1, 1, 2, 3, 4, 8, 16, 32]) for e in rng.sample(range(64), n)}
     cost = _model(h2d=rng.choice([10.0, 50.0, 200.0]), slowdown=rng.choice([1.0, 1.3]),
                   call=rng.choice([0.0, 20e-6, 400e-6]), copy_slowdown=rng.choice([1.0, 1.15]),
                   transfer=rng.choice([0.0, 15e-6]), gpu=rng.choice([0.0, 3e-6]), gpu_slope=rng.choice([0.0, 1e-7]))
-    if host_reads:
-        cost = cost.read_by_gpu(rng.choice([4, 16]))
     free = rng.randint(0, n)
     inputs = PlanInputs(tokens=tokens, rows=rng.choice([8, 32]), free_slots=free,
                         max_loads=rng.choice([None, free + rng.randint(0, 3)]),
@@ -92,14 +83,12 @@ def test_a_costly_call_keeps_a_few_cheap_misses_off_the_cpu():
     assert split_misses(PlanInputs(tokens), costly_call) == ([1, 2], [])
 
 
-@pytest.mark.parametrize("host_reads", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_planner_matches_brute_force(seed, host_reads):
+def test_planner_matches_brute_force(seed):
     """Every term of the objective (credits, eviction losses, the per-call and transfer terms, the GPU term that
-    grows with tokens, both slowdowns) and the load bounds, on cases the planner searches exhaustively; and the
-    objective of a mapped engine, whose "CPU" misses the GPU reads from host memory after the copies."""
+    grows with tokens, both slowdowns) and the load bounds, on cases the planner searches exhaustively."""
     rng = random.Random(seed)
-    inputs, cost = _random_case(rng, rng.randint(0, EXACT_MAX), host_reads=host_reads)
+    inputs, cost = _random_case(rng, rng.randint(0, EXACT_MAX))
     load, cpu = split_misses(inputs, cost)
     assert sorted(load + cpu) == sorted(inputs.tokens)
     assert inputs.min_loads <= len(load) <= inputs.load_cap
@@ -293,26 +282,3 @@ def test_the_load_everything_bound_skips_only_searches_that_loading_everything_w
                 assert everything < reference_cost(list(load), [e for e in misses if e not in load], inputs, cost)
         assert split_misses(inputs, cost) == (misses, [])
     assert fired >= 30
-
-
-def test_read_by_gpu_costs_the_cpu_misses_as_reads_whatever_the_cpu_measured():
-    """On an engine with mapped misses a split's "CPU" misses are read from host memory by the GPU: their time is the
-    read (once per block of their pairs) and their compute, added to the loads', the same on a fast and a slow CPU;
-    with no credit, loads and reads cost the same, so only the free slots take loads."""
-    fast, slow = _model(gpu=2e-6), _model(gpu=2e-6, call=400e-6)
-    slow.cpu_seconds = {t: 20 * s for t, s in fast.cpu_seconds.items()}
-    read_fast, read_slow = fast.read_by_gpu(16), slow.read_by_gpu(16)
-    assert read_fast.cpu_expert_seconds(1) == pytest.approx(fast.load_seconds(1) + 2e-6)
-    assert read_fast.cpu_expert_seconds(17) == pytest.approx(fast.load_seconds(2) + 2e-6)   # two blocks of pairs
-    assert read_slow.with_cpu_scale(3.0) is read_slow and read_slow.cpu_transfer_seconds(32, 64) == 0.0
-    rng = random.Random(5)
-    for _ in range(30):
-        inputs, _ = _random_case(rng, rng.randint(1, 12))
-        assert split_misses(inputs, read_fast) == split_misses(inputs, read_slow)
-    inputs = PlanInputs(tokens={1: 1, 2: 1, 3: 1, 4: 1}, rows=8, free_slots=1)
-    assert split_misses(inputs, read_fast) == ([1], [2, 3, 4])
-    inputs.credit = {3: 1e-6}             # the free slot goes to the miss with a credit
-    assert split_misses(inputs, read_fast) == ([3], [1, 2, 4])
-    inputs.credit, inputs.evict_loss = {2: 2e-6, 3: 1e-6}, [0.5e-6, 5e-6]   # a load past it: when its credit pays
-    assert split_misses(inputs, read_fast) == ([2, 3], [1, 4])
-    assert split_misses(inputs, fast) != split_misses(inputs, slow), "off the mapped path the CPU's speed matters"

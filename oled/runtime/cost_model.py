@@ -52,26 +52,16 @@ class CostModel:
     transfer_seconds: float = 0.0         # fixed time of a layer's activation round trip to the CPU path
     row_bytes: int = 0                    # bytes of one token's input sent to the host
     pair_bytes: int = 0                   # bytes of one (token, expert) output sent back
-    # > 0: the model of an engine with mapped misses (read_by_gpu), whose host round trip sends a split's "CPU"
-    # misses to the GPU, which reads each blob from host memory once per this many of its pairs, after the layer's
-    # copies (Residency.cpu_on_host); 0: they run on the CPU kernel
-    host_read_rows: int = 0
     source: str = "measured"
 
     def load_seconds(self, n_experts: int) -> float:
         return n_experts * self.expert_bytes / (self.h2d_gbps * 1e9)
 
     def cpu_expert_seconds(self, tokens: int) -> float:
-        """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts; with
-        host_read_rows, the time of the GPU reading the expert from host memory (at the copies' bandwidth, once per
-        host_read_rows of its pairs) and computing it."""
+        """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
         memo = self._cpu_memo
         if tokens not in memo:        # the planner asks for every miss of every layer: a few token counts recur
-            if self.host_read_rows:
-                memo[tokens] = (self.load_seconds(-(-max(tokens, 1) // self.host_read_rows))
-                                + self.gpu_expert_seconds(tokens))
-            else:
-                memo[tokens] = _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
+            memo[tokens] = _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
         return memo[tokens]
 
     def gpu_expert_seconds(self, tokens: int) -> float:
@@ -134,8 +124,8 @@ class CostModel:
     def with_cpu_scale(self, scale: float) -> "CostModel":
         """This model with its CPU kernel terms (per expert and per call) times `scale`: what the planner uses once
         the engine has seen its CPU jobs run slower or faster than measured at start-up (runtime/cpu_feedback.py).
-        One model per scale is made, then kept. A read_by_gpu model has no CPU term to scale."""
-        if scale == 1.0 or self.host_read_rows:
+        One model per scale is made, then kept."""
+        if scale == 1.0:
             return self
         scaled = self._scaled
         if scale not in scaled:
@@ -147,17 +137,6 @@ class CostModel:
     @cached_property
     def _scaled(self) -> dict[float, "CostModel"]:
         return {}
-
-    def read_by_gpu(self, rows: int) -> "CostModel":
-        """The model a planner uses on an engine with mapped misses: there a split's "CPU" misses are read from host
-        memory by the GPU's first wave, after the layer's copies, once per `rows` of their pairs (the kernels' block;
-        Residency.cpu_on_host), and none runs on the CPU kernel. Their time is that read and their compute, added to
-        the loads' side rather than run beside it (planner.plan_costs), with no call, activation transfer or
-        slowdown: so the split, and the residency it leaves, depend on the measured copy bandwidth and GPU times,
-        not on how fast this machine's CPU measured."""
-        return replace(self, cpu_call_seconds=0.0, cpu_slowdown_with_copies=1.0, copy_slowdown_with_cpu=1.0,
-                       transfer_seconds=0.0, row_bytes=0, pair_bytes=0, host_read_rows=rows,
-                       source=f"{self.source}, CPU misses read from host memory by the GPU")
 
     def describe(self) -> str:
         cpu = ", ".join(f"{self.cpu_seconds[t] * 1e6:.0f}" for t in sorted(self.cpu_seconds))

@@ -6,10 +6,6 @@ the CPU. One objective, `plan_costs`, used by the search and by the tests:
              + transfer(rows, pairs of C)                                              (0 if C is empty)
     cost(L) = max(gpu(L), cpu(C))  -  sum(credit[e] for e in L)  +  sum(evict_loss[:|L| - free_slots])
 
-On an engine with mapped misses (CostModel.read_by_gpu) the "CPU" misses are read from host memory by the GPU after
-the layer's copies, over the same link: then cpu(C) = sum(read(e) + gpu_expert(tokens[e]) for e in C) and the two
-sides add, gpu(L) + cpu(C), instead of overlapping.
-
 Both sides count from the decision on. The layer's hits are not in it: the runtime computes them from the device
 slot map while the host waits for the routing and decides (manager.py), so by the time the copies and the CPU job
 start the hits' compute is about done; counting it, the planner took CPU jobs for free that ran past it.
@@ -92,8 +88,7 @@ def plan_costs(masks, experts: list[int], inputs: PlanInputs, cost: CostModel) -
         + cand.load @ gpu_t
     cpu_side = (cost.cpu_call_seconds + cand.cpu @ cpu_t) * (1.0 + (cost.cpu_slowdown_with_copies - 1.0) * cand.mixed) \
         + cost.cpu_transfer_seconds(inputs.rows, cand.cpu @ tok)
-    cpu_side = np.where(cand.has_cpu, cpu_side, 0.0)
-    objective = gpu_side + cpu_side if cost.host_read_rows else np.maximum(gpu_side, cpu_side)
+    objective = np.maximum(gpu_side, np.where(cand.has_cpu, cpu_side, 0.0))
     if inputs.credit:
         objective -= cand.load @ np.array([inputs.credit.get(e, 0.0) for e in experts])
     if inputs.evict_loss:

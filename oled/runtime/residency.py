@@ -59,11 +59,7 @@ class Residency:
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
         self.forward: ForwardInfo | None = None
-        # the measured cost model (with mapped misses, as the GPU reading the "CPU" misses: CostModel.read_by_gpu);
-        # the scale its CPU terms plan with
-        if costs is not None and mapped_rows:
-            costs = costs.read_by_gpu(mapped_rows)
-        self.costs, self.cpu_scale = costs, 1.0
+        self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
                                    top_k=top_k, expert_bytes=expert_bytes, costs=costs))
         if policy.static_full and cache.capacity < num_experts:
