@@ -6,10 +6,11 @@ inside the forward (not built; BENCHMARKS.md section 29 estimates what it could 
               i, the host sees it and stores i into the other word, the kernel sees that and goes on to i + 1.
               Reported: µs an exchange (two crossings and both sides' polling), the median of --repeats runs of
               --rounds exchanges.
-  layers      a CUDA graph of --layers layers, each: a kernel that keeps the GPU busy --gpu-us (the layer's own
-              work), a mark "routing ready" stored into pinned memory, a kernel that waits for the host's mark "CPU
-              rows ready", then a copy of the CPU's output rows to the device. The host thread waits for each layer's
-              first mark, runs the engine's CPU expert kernel on --experts cold experts of --tokens tokens (blobs of
+  layers      a CUDA graph of --layers layers, each: a mark "routing ready" stored into pinned memory, a kernel
+              that keeps the GPU busy --gpu-us (the layer's own work: its hits and the misses it reads itself), a
+              kernel that waits for the host's mark "CPU rows ready", then a copy of the CPU's output rows to the
+              device (with --routing-known end, the mark comes after the busy kernel: the CPU's work follows the
+              GPU's instead of running beside it). The host thread waits for each layer's first mark, runs the engine's CPU expert kernel on --experts cold experts of --tokens tokens (blobs of
               LLaDA2.0-mini's shape, --hidden x --intermediate) writing pinned rows, and stores the second mark.
               Reported, ms a layer (medians of --repeats graphs): the GPU alone (the graph without waits), the CPU
               alone (the same jobs back to back), both together, and together - max(GPU, CPU): what the hand-over
@@ -112,7 +113,7 @@ class LayerProbe:
     """The graph of `layers` layers and the host's side of each; see the module's docstring."""
 
     def __init__(self, kernel: CpuExpertKernel, layers: int, gpu_us: float, experts: int, tokens: int,
-                 hidden: int, intermediate: int, timeout_ms: float, wait: bool):
+                 hidden: int, intermediate: int, timeout_ms: float, wait: bool, mark_first: bool = True):
         self.kernel, self.layers, self.experts, self.tokens = kernel, layers, experts, tokens
         self.intermediate = intermediate
         # cold blobs: more than fit a last-level cache, one distinct set a layer
@@ -125,7 +126,7 @@ class LayerProbe:
         self.ready_h, self.done_h = self.ready.numpy(), self.done.numpy()
         self.missed = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.acc = torch.zeros(experts * tokens, hidden, dtype=torch.float32, device="cuda")
-        self.wait, self.timeout_ms = wait, timeout_ms
+        self.wait, self.timeout_ms, self.mark_first = wait, timeout_ms, mark_first
         busy_ns, timeout_ns = int(gpu_us * 1e3), int(timeout_ms * 1e6)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):       # compile outside the capture
@@ -137,9 +138,12 @@ class LayerProbe:
 
     def _layers(self, busy_ns: int, timeout_ns: int, warm: bool = False) -> None:
         for layer in range(self.layers):
-            _busy_kernel[(1,)](0 if warm else busy_ns, num_warps=1)
-            if self.wait:
+            if self.wait and self.mark_first:   # the routing known as the layer's work starts (the router runs first)
                 _mark_kernel[(1,)](self.ready, layer + 1, num_warps=1)
+            _busy_kernel[(1,)](0 if warm else busy_ns, num_warps=1)
+            if self.wait and not self.mark_first:
+                _mark_kernel[(1,)](self.ready, layer + 1, num_warps=1)
+            if self.wait:
                 _wait_kernel[(1,)](self.done, 0 if warm else layer + 1, 0 if warm else timeout_ns, self.missed,
                                    num_warps=1)
                 self.acc.add_(self.rows[layer].to("cuda", non_blocking=True))
@@ -180,7 +184,8 @@ class LayerProbe:
 
 def layers_case(kernel, args, gpu_us: float, experts: int) -> dict:
     make = {"layers": args.layers, "gpu_us": gpu_us, "experts": experts, "tokens": args.tokens,
-            "hidden": args.hidden, "intermediate": args.intermediate, "timeout_ms": args.timeout_ms}
+            "hidden": args.hidden, "intermediate": args.intermediate, "timeout_ms": args.timeout_ms,
+            "mark_first": args.routing_known == "start"}
     alone = LayerProbe(kernel, wait=False, **make)
     both = LayerProbe(kernel, wait=True, **make)
     gpu, cpu, together = [], [], []
@@ -199,7 +204,8 @@ def layers_case(kernel, args, gpu_us: float, experts: int) -> dict:
     expected = before
     for layer in range(args.layers):
         expected = expected + both.rows[layer]
-    return {"gpu_us": gpu_us, "experts": experts, "tokens": args.tokens, "layers": args.layers, **per_layer,
+    return {"gpu_us": gpu_us, "experts": experts, "tokens": args.tokens, "layers": args.layers,
+            "routing_known": args.routing_known, **per_layer,
             "timed_out_waits": timed_out + int(both.missed.item()),
             "gpu_got_the_cpu_rows": bool(torch.equal(expected, both.acc.cpu())) and bool(both.rows.abs().sum() > 0)}
 
@@ -216,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=LLADA2_MINI[0])
     ap.add_argument("--intermediate", type=int, default=LLADA2_MINI[1])
     ap.add_argument("--threads", type=int, default=None, help="CPU kernel workers (default: the engine's)")
+    ap.add_argument("--routing-known", choices=("start", "end"), default="start",
+                    help="the mark 'routing ready' before the layer's GPU work (start: the CPU works beside it) or after "
+                         "it (end: the two run one after the other, which shows the hand-over's own latency)")
     ap.add_argument("--timeout-ms", type=float, default=20.0, help="a wait gives up after this long")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     args = ap.parse_args(argv)
