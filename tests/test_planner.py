@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +140,30 @@ def test_planner_extremes():
     assert split_misses(PlanInputs(one), slow_pcie) == ([], [7])
     assert split_misses(PlanInputs(one, credit={7: 10.0}), slow_pcie) == ([7], [])
     assert split_misses(PlanInputs(one, credit={7: 10.0}, evict_loss=[20.0]), slow_pcie) == ([], [7])
+
+
+def test_copy_time_outlasts_a_slow_start():
+    """The copy path's time is the least of at least five rounds after an untimed one: copies slowed for their first
+    four rounds (a start-up transient like the one that halved three H200 measurements) do not set it."""
+    from types import SimpleNamespace
+
+    from oled.runtime import cost_model
+
+    n, slow_rounds, delay = 4, 4, 0.02
+    blob = torch.zeros(256)
+    calls = []
+
+    def slow_then_fast(layer, expert):
+        calls.append(expert)
+        if len(calls) <= n * slow_rounds:
+            time.sleep(delay / n)
+        return blob
+
+    store = SimpleNamespace(layers=[0], numel=256, dtype=torch.float32, blob=slow_then_fast,
+                            config=SimpleNamespace(num_experts=n))
+    seconds = cost_model._time_copies(store, "cpu", n, min_rounds=5, min_seconds=0.0)
+    assert len(calls) == 6 * n                  # the untimed round, then five
+    assert seconds < delay / 2
 
 
 def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):

@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("oled")
 
-COST_MODEL_VERSION = 9   # part of the cache key: a model measured by older code is measured again
+COST_MODEL_VERSION = 10  # part of the cache key: a model measured by older code is measured again
 
 
 def _per_token_count(table: dict[int, float], keys: list[int], tokens: int) -> float:
@@ -194,23 +194,40 @@ class CostModel:
         return cls.from_dict(d)
 
 
-def _time_copies(store, device, n: int) -> float:
-    """Seconds to copy n expert blobs from the store into device memory (one batch, as the manager issues them)."""
+def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
+    """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them:
+    the least of at least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round
+    is timed with CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and
+    not the host's: the first estimator (three rounds timed by the host's clock, no warm-up) read 25-28 GB/s in 4 of
+    18 H200 processes whose copies then ran at 45-49 GB/s in the engine (BENCHMARKS.md section 30)."""
     layer = store.layers[0]
     n = min(n, store.config.num_experts)
     dst = torch.empty(n, store.numel, dtype=store.dtype, device=device)
     cuda = torch.device(device).type == "cuda"
-    best = float("inf")
-    for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+
+    def one_round() -> float:
+        if not cuda:
+            t0 = time.perf_counter()
+            for i in range(n):
+                dst[i].copy_(store.blob(layer, i))
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_QUEUE_CYCLES)      # the copies below are all queued before the start event is reached
+        start.record()
         for i in range(n):
-            dst[i].copy_(store.blob(layer, i), non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+            dst[i].copy_(store.blob(layer, i), non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    one_round()
+    times: list[float] = []
+    while len(times) < min_rounds or (sum(times) < min_seconds and len(times) < 100):
+        times.append(one_round())
+    return min(times)
+
+
+_QUEUE_CYCLES = 2_000_000     # GPU clock cycles (about 1 ms at H200 clocks): longer than queueing one round's copies
 
 
 def h2d_gbps(store, device, n: int = 16) -> float:
