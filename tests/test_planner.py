@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
 
 import numpy as np
 import pytest
@@ -142,28 +141,35 @@ def test_planner_extremes():
     assert split_misses(PlanInputs(one, credit={7: 10.0}, evict_loss=[20.0]), slow_pcie) == ([], [7])
 
 
-def test_copy_time_outlasts_a_slow_start():
-    """The copy path's time is the least of at least five rounds after an untimed one: copies slowed for their first
-    four rounds (a start-up transient like the one that halved three H200 measurements) do not set it."""
+def test_copy_time_outlasts_a_slow_start_and_takes_every_layer(monkeypatch):
+    """The copy path's time is the least of at least five rounds after an untimed one, so copies slowed for their
+    first four rounds (a transient like the one that cut four H200 measurements to 25-34 GB/s) do not set it; and its
+    blobs come from every layer in turn, not from one layer's memory."""
     from types import SimpleNamespace
 
     from oled.runtime import cost_model
 
-    n, slow_rounds, delay = 4, 4, 0.02
-    blob = torch.zeros(256)
-    calls = []
+    ticks = iter(range(10**6))
+    clock = {"now": 0.0}
 
-    def slow_then_fast(layer, expert):
-        calls.append(expert)
-        if len(calls) <= n * slow_rounds:
-            time.sleep(delay / n)
-        return blob
+    def fake_clock():                       # round r (two reads each) lasts 20 ms for r < 5, then 1 ms
+        i = next(ticks)
+        if i % 2 == 1:
+            clock["now"] += 0.02 if i // 2 < 5 else 0.001
+        return clock["now"]
 
-    store = SimpleNamespace(layers=[0], numel=256, dtype=torch.float32, blob=slow_then_fast,
-                            config=SimpleNamespace(num_experts=n))
-    seconds = cost_model._time_copies(store, "cpu", n, min_rounds=5, min_seconds=0.0)
-    assert len(calls) == 6 * n                  # the untimed round, then five
-    assert seconds < delay / 2
+    monkeypatch.setattr(cost_model.time, "perf_counter", fake_clock)
+    asked = []
+
+    def blob(layer, expert):
+        asked.append((layer, expert))
+        return torch.zeros(8)
+
+    store = SimpleNamespace(layers=[3, 5, 7], numel=8, dtype=torch.float32, blob=blob,
+                            config=SimpleNamespace(num_experts=4))
+    seconds = cost_model._time_copies(store, "cpu", 7, min_rounds=5, min_seconds=0.0)
+    assert seconds == pytest.approx(0.001)  # round 6, the first fast one: the old three rounds would have read 0.02
+    assert asked == [(3, 0), (5, 0), (7, 0), (3, 1), (5, 1), (7, 1), (3, 2)]
 
 
 def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):

@@ -195,13 +195,16 @@ class CostModel:
 
 
 def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
-    """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them:
-    the least of at least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round
-    is timed with CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and
-    not the host's: the first estimator (three rounds timed by the host's clock, no warm-up) read 25-28 GB/s in 4 of
-    18 H200 processes whose copies then ran at 45-49 GB/s in the engine (BENCHMARKS.md section 30)."""
-    layer = store.layers[0]
-    n = min(n, store.config.num_experts)
+    """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them,
+    the blobs taken from every layer in turn (expert i // L of layer i % L): where the pinned memory of one layer lies
+    can change its copies' rate, and the engine loads from all of them. The least of at least min_rounds rounds and
+    min_seconds of copying, after one round untimed. On the GPU each round is timed with CUDA events around copies
+    queued behind a short GPU wait, so that the time is the copy engine's and not the host's. The first estimator
+    (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-34 GB/s in 4 of 19 H200 processes
+    whose copies ran at 46-49 GB/s in the engine (BENCHMARKS.md section 30)."""
+    layers, experts = store.layers, store.config.num_experts
+    n = min(n, len(layers) * experts)
+    blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
     dst = torch.empty(n, store.numel, dtype=store.dtype, device=device)
     cuda = torch.device(device).type == "cuda"
 
@@ -209,13 +212,13 @@ def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float 
         if not cuda:
             t0 = time.perf_counter()
             for i in range(n):
-                dst[i].copy_(store.blob(layer, i))
+                dst[i].copy_(blobs[i])
             return time.perf_counter() - t0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(_QUEUE_CYCLES)      # the copies below are all queued before the start event is reached
         start.record()
         for i in range(n):
-            dst[i].copy_(store.blob(layer, i), non_blocking=True)
+            dst[i].copy_(blobs[i], non_blocking=True)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
@@ -230,9 +233,10 @@ def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float 
 _QUEUE_CYCLES = 2_000_000     # GPU clock cycles (about 1 ms at H200 clocks): longer than queueing one round's copies
 
 
-def h2d_gbps(store, device, n: int = 16) -> float:
-    """GB/s of expert blob copies from the store into device memory, n blobs a batch (the copy path's bandwidth)."""
-    n = min(n, store.config.num_experts)
+def h2d_gbps(store, device, n: int | None = None) -> float:
+    """GB/s of expert blob copies from the store into device memory, n blobs a batch (the copy path's bandwidth;
+    default: two from every layer, at least 16)."""
+    n = min(n or max(16, 2 * len(store.layers)), len(store.layers) * store.config.num_experts)
     return n * store.expert_bytes / _time_copies(store, device, n) / 1e9
 
 
