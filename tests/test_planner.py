@@ -172,6 +172,15 @@ def test_copy_time_outlasts_a_slow_start_and_takes_every_layer(monkeypatch):
     assert asked == [(3, 0), (5, 0), (7, 0), (3, 1), (5, 1), (7, 1), (3, 2)]
 
 
+def test_copy_rate_keeps_the_faster_reading_and_says_when_they_differ(caplog):
+    from oled.runtime.cost_model import _copy_rate_of_two
+
+    with caplog.at_level("WARNING", logger="oled"):
+        assert _copy_rate_of_two(50.0, 55.0) == 55.0 and not caplog.records      # within 20 %: nothing said
+        assert _copy_rate_of_two(27.6, 54.1) == 54.1
+    assert len(caplog.records) == 1 and "27.6 GB/s at the start" in caplog.records[0].getMessage()
+
+
 def test_cost_model_measured_from_the_kernel_and_cached(tmp_path):
     torch.set_num_threads(1)
     llm = oled.LLM(random_weights="tiny", policy="tide", expert_budget="0.5", cpu_threads=1)
