@@ -12,7 +12,7 @@ One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, 
 denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count
 the trace's experts (a routing proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB: compare the paths' ratios), or experts
 of --expert-mib (6 for LLaDA2.0-mini, as `oled bench --routing` replays them); --requests N replays the trace's first
-N requests (`oled bench --prompts N`). `belady` gives the bytes of the fewest misses any retention policy takes on
+N requests (`oled bench --prompts N`). A policy takes options as `oled bench` writes them (oled-retain:decay=0.5). `belady` gives the bytes of the fewest misses any retention policy takes on
 each path. A policy that plans on costs (oled, oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or
 an `oled bench` results.jsonl whose first line with a cost model gives it (the trace's own is used otherwise).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from oled.bench.runner import PolicySpec
 from oled.kernels.triton_moe import mapped_rows
 from oled.runtime.cost_model import CostModel
 from oled.runtime.residency import Residency
@@ -48,8 +49,9 @@ def run(trace: Trace, policy: str, budget: str, path: str, gbps: float, costs: C
         capture_slots: int = 0, expert_bytes: int | None = None) -> dict:
     """One replay; path "capture" is the mapped path with capture_slots; expert_bytes rescales the bytes (None:
     the trace's experts)."""
-    mgr = replay_manager(trace, policy, budget, costs, mapped_rows=mapped_rows(path != "host"),
-                         capture_slots=capture_slots if path == "capture" else 0)
+    spec = PolicySpec.parse(policy)
+    mgr = replay_manager(trace, spec.name, budget, costs, mapped_rows=mapped_rows(path != "host"),
+                         capture_slots=capture_slots if path == "capture" else 0, **spec.options)
     if path == "hybrid":
         mgr.residency.takes_mapped_path = BlockStartOnHost(mgr.residency)
     mgr.replay()
