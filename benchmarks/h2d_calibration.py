@@ -1,9 +1,9 @@
 """How steady the cost model's start-up measurement of the copy path's bandwidth is (oled/runtime/cost_model.py
 `h2d_gbps`), and whether it depends on which layer's pinned memory the copies come from. CUDA only.
 
-Four H200 processes measured 25-34 GB/s at start-up from layer 0's first 16 experts where the others measured
-51-54, and the engine's own copies ran at 46-49 in such processes (BENCHMARKS.md section 30); the planner then costs
-every load too high. This probe runs --processes fresh processes, each on a freshly pinned store of LLaDA2.0-mini's
+Five H200 processes measured 25-34 GB/s at start-up from layer 0's first 16 experts where the others measured
+50.6-54.3, and one of them copied at 46.6 GB/s in its runs (BENCHMARKS.md section 30); the planner then costs every load
+too high. This probe runs --processes fresh processes, each on a freshly pinned store of LLaDA2.0-mini's
 shape (--layers MoE layers, all 19 by default, as the engine allocates them), with the CPU expert kernel's workers
 just started as the engine starts them right before it measures (--no-cpu-kernel: without), and prints per process:
 the machine's NUMA nodes and the GPU's, the PCIe link's generation and width and the GPU's performance state, each

@@ -403,6 +403,12 @@ def test_the_traffic_replay_of_the_three_miss_paths():
     # --requests 1: the first request's replay alone (fewer iterations, other bytes per iteration)
     first = traffic.run(trace.first_requests(1), "lru", "0.5", "mapped", gbps=50.0)
     assert first["mapped_gb"] > 0 and first != rows["mapped"]
+    # policy options as oled bench writes them: oled-retain:decay=0.9 keeps other experts than oled-retain
+    plain, decayed = (traffic.run(trace, p, "0.5", "capture", gbps=50.0, capture_slots=2)
+                      for p in ("oled-retain", "oled-retain:decay=0.9"))
+    assert decayed["policy"] == "oled-retain:decay=0.9" and decayed["pcie_gb"] != plain["pcie_gb"]
+    with pytest.raises(ValueError, match="no option 'tau'"):
+        traffic.run(trace, "oled-retain:tau=2", "0.5", "capture", gbps=50.0, capture_slots=2)
 
 
 def test_a_mapped_read_waits_until_every_routing_value_has_landed():

@@ -196,12 +196,12 @@ class CostModel:
 
 def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
     """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them,
-    the blobs taken from every layer in turn (expert i // L of layer i % L): where the pinned memory of one layer lies
-    can change its copies' rate, and the engine loads from all of them. The least of at least min_rounds rounds and
+    the blobs taken from every layer in turn (expert i // L of layer i % L), as the engine loads from all of them (each
+    layer's copied at 53.2-54.0 GB/s in a probe on the H200, so this guards against a layer unlike the rest). The least of at least min_rounds rounds and
     min_seconds of copying, after one round untimed. On the GPU each round is timed with CUDA events around copies
     queued behind a short GPU wait, so that the time is the copy engine's and not the host's. The first estimator
-    (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-34 GB/s in 4 of 19 H200 processes
-    whose copies ran at 46-49 GB/s in the engine (BENCHMARKS.md section 30)."""
+    (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-28 GB/s in 3 of 17 H200 processes
+    where the others read 50.6-53.7; one of the three copied at 46.6 GB/s in its runs (BENCHMARKS.md section 30)."""
     layers, experts = store.layers, store.config.num_experts
     n = min(n, len(layers) * experts)
     blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
@@ -412,8 +412,9 @@ def monotone_in_tokens(table: dict[int, float]) -> dict[int, float]:
 
 def _copy_rate_of_two(first: float, last: float) -> float:
     """The copy rate measured at the start and at the end of the measurement, seconds apart: the faster, since other
-    work on the machine only ever slows copies. Several H200 processes read half the engine's rate at the start (25-34
-    GB/s against 46-54, BENCHMARKS.md section 30), for a cause not found; a reading that moved is said once."""
+    work on the machine only ever slows copies. Two H200 routing grids read 27.6 and 34.4 GB/s at the start with the
+    GPU-timed rounds, where fresh processes read 54 (BENCHMARKS.md section 30), for a cause not found; a reading that
+    moved is said once."""
     if max(first, last) > 1.2 * min(first, last):
         log.warning("cost model: the copy rate read %.1f GB/s at the start of the measurement and %.1f at its end; "
                     "the faster is kept", first, last)
