@@ -2,8 +2,8 @@
 `h2d_gbps`), and whether it depends on which layer's pinned memory the copies come from. CUDA only.
 
 Five H200 processes measured 25-34 GB/s at start-up from layer 0's first 16 experts where the others measured
-50.6-54.3, and one of them copied at 46.6 GB/s in its runs (BENCHMARKS.md section 30); the planner then costs every load
-too high. This probe runs --processes fresh processes, each on a freshly pinned store of LLaDA2.0-mini's
+50.6-54.3, and one of them copied at 46.6 GB/s in its runs (BENCHMARKS.md section 30); the planner then costs
+every load too high. This probe runs --processes fresh processes, each on a freshly pinned store of LLaDA2.0-mini's
 shape (--layers MoE layers, all 19 by default, as the engine allocates them), with the CPU expert kernel's workers
 just started as the engine starts them right before it measures (--no-cpu-kernel: without), and prints per process:
 the machine's NUMA nodes and the GPU's, the PCIe link's generation and width and the GPU's performance state, each

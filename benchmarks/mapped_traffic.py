@@ -12,9 +12,10 @@ One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, 
 denoising iteration; CPU pairs per iteration (host round trip only) and experts captured (capture only). Bytes count
 the trace's experts (a routing proxy's are 48 KiB, not LLaDA2.0-mini's 6 MiB: compare the paths' ratios), or experts
 of --expert-mib (6 for LLaDA2.0-mini, as `oled bench --routing` replays them); --requests N replays the trace's first
-N requests (`oled bench --prompts N`). A policy takes options as `oled bench` writes them (oled-retain:decay=0.5). `belady` gives the bytes of the fewest misses any retention policy takes on
-each path. A policy that plans on costs (oled, oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or
-an `oled bench` results.jsonl whose first line with a cost model gives it (the trace's own is used otherwise).
+N requests (`oled bench --prompts N`). A policy takes options as `oled bench` writes them (oled-retain:decay=0.5).
+`belady` gives the bytes of the fewest misses any retention policy takes on each path. A policy that plans on costs
+(oled, oled-coop, misses=cooperative) needs --costs: a cost model's JSON, or an `oled bench` results.jsonl whose first
+line with a cost model gives it (the trace's own is used otherwise).
 """
 from __future__ import annotations
 

@@ -386,8 +386,8 @@ def test_ms_per_forward_is_the_decode_time_over_the_forwards(live):
                                     "h2d_calibration.py"])
 def test_the_cuda_timeline_probes_refuse_to_run_without_cuda(tmp_path, capsys, script):
     """benchmarks/graph_launch_probe.py times CUDA graph launches, forward_gaps.py reads CUDA events and
-    host_flag_probe.py times a kernel waiting for the host, h2d_calibration.py times copies to the GPU: without a GPU each exits 2 with one line and writes
-    nothing."""
+    host_flag_probe.py times a kernel waiting for the host, h2d_calibration.py times copies to the GPU: without a
+    GPU each exits 2 with one line and writes nothing."""
     probe = benchmark_script(script)
     out = tmp_path / "probe.json"
     assert probe.main(["--out", str(out)]) == 2

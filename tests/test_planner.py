@@ -143,7 +143,7 @@ def test_planner_extremes():
 
 def test_copy_time_outlasts_a_slow_start_and_takes_every_layer(monkeypatch):
     """The copy path's time is the least of at least five rounds after an untimed one, so copies slowed for their
-    first four rounds (a transient like the one that cut four H200 measurements to 25-34 GB/s) do not set it; and its
+    first four rounds (a transient like the one that cut five H200 measurements to 25-34 GB/s) do not set it; and its
     blobs come from every layer in turn, not from one layer's memory."""
     from types import SimpleNamespace
 

@@ -197,11 +197,12 @@ class CostModel:
 def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
     """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them,
     the blobs taken from every layer in turn (expert i // L of layer i % L), as the engine loads from all of them (each
-    layer's copied at 53.2-54.0 GB/s in a probe on the H200, so this guards against a layer unlike the rest). The least of at least min_rounds rounds and
-    min_seconds of copying, after one round untimed. On the GPU each round is timed with CUDA events around copies
-    queued behind a short GPU wait, so that the time is the copy engine's and not the host's. The first estimator
-    (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-28 GB/s in 3 of 17 H200 processes
-    where the others read 50.6-53.7; one of the three copied at 46.6 GB/s in its runs (BENCHMARKS.md section 30)."""
+    layer's copied at 53.2-54.0 GB/s in a probe on the H200, so this guards against a layer unlike the rest). The
+    least of at least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round is
+    timed with CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and not
+    the host's. The first estimator (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-28
+    GB/s in 3 of 17 H200 processes where the others read 50.6-53.7; one of the three copied at 46.6 GB/s in its runs
+    (BENCHMARKS.md section 30)."""
     layers, experts = store.layers, store.config.num_experts
     n = min(n, len(layers) * experts)
     blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
