@@ -139,7 +139,8 @@ class Engine:
                                 costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
                                 cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
                                 mapped_misses=self._mapped_misses(), capture_slots=self.cfg.capture_slots,
-                                shared_stream=self.cfg.shared_stream, shared_in_moe=self.cfg.shared_in_moe)
+                                shared_stream=self.cfg.shared_stream, shared_in_moe=self.cfg.shared_in_moe,
+                                cpu_share=self.cfg.cpu_share)
         self.runner.attach(manager)     # graphs hold the pool's addresses and a placement: new ones
 
     # EngineConfig.fused_* field -> (its kernel module, a kernel of it)

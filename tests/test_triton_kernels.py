@@ -381,18 +381,26 @@ COMPILE_SM90 = textwrap.dedent("""
                                                      (True, False, False, False, False),
                                                      (True, True, False, False, False),
                                                      (True, True, True, False, False),
-                                                     (True, True, True, True, False), (True, True, True, True, True)):
+                                                     (True, True, True, True, False), (True, True, True, True, True),
+                                                     (True, True, True, True, "cpu")):
+        cpu_share, shared = shared == "cpu", shared is True
         align = build(align_pairs_kernel,
             {"pair_slots_ptr": "*i64", "slot_map_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32",
              "cursor_ptr": "*i32", "capture_ptr": "*i64", "block_capture_ptr": "*i32", "weights_ptr": "*fp32",
-             "routing_ptr": "*i32", "num_pairs": "i32", "num_routed": "i32", "num_slots": "i32", "slot_base": "i32",
-             "host_bin": "i32", "shared_bin": "i32", "num_blocks": "i32", "num_capture": "i32"},
+             "routing_ptr": "*i32", "cpu_table_ptr": "*i32", "x_ptr": "*bf16", "x_rows_ptr": "*bf16",
+             "pair_on_cpu_ptr": "*i32", "done_ptr": "*i32", "num_pairs": "i32", "num_routed": "i32",
+             "num_slots": "i32", "slot_base": "i32", "host_bin": "i32", "shared_bin": "i32", "num_blocks": "i32",
+             "num_capture": "i32", "x_row_stride": "i32"},
             {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 1024 if shared else 512 if mapped else 256,
              "BLOCK_FILL": 1024, "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8,
-             "ROUTING": routing, "TOP_K": 8, "SHARED": shared}, 4)
+             "ROUTING": routing, "TOP_K": 8, "SHARED": shared, "CPU_SHARE": cpu_share,
+             "HIDDEN": 2048 if cpu_share else 0, "BLOCK_K2": 8}, 4)
         # cursors and padding written before the pairs land; each pair's row from one relaxed atomic
         assert "bar.sync" in align["ptx"] and "atom.global.gpu.relaxed.add" in align["ptx"], align["ptx"]
-        if not shared:
+        # the CPU's share: the host's mark reset by a system-scope acquire-release exchange, between the input rows
+        # and the routing
+        assert ("atom.global.sys.acq_rel.exch" in align["ptx"]) == cpu_share
+        if not shared and not cpu_share:
             align_stores[routing] = align["ptx"].count("st.global")
     # the routing's stores (an id's two halves and its weight) only where asked for
     assert align_stores[True] > align_stores[False], align_stores
@@ -425,12 +433,17 @@ COMPILE_SM90 = textwrap.dedent("""
             stores[capture] = (gate_up["ptx"].count("st.global"), down["ptx"].count("st.global"))
     assert all(c > p for c, p in zip(stores[True], stores[False])), stores
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"
-    for add in (False, True):
+    for add, cpu_share in ((False, False), (True, False), (True, True)):
         moe_combine = build(moe_combine_kernel,
             {"y_ptr": "*bf16", "weights_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16", "y_row_stride": "i32",
-             "add_row_stride": "i32", "out_row_stride": "i32", "hidden": "i32"},
-            {"TOP_K": 8, "BLOCK_H": 1024, "HAS_ADD": add}, 4)
+             "add_row_stride": "i32", "out_row_stride": "i32", "hidden": "i32", "pair_on_cpu_ptr": "*i32",
+             "done_ptr": "*i32", "row_of_pair_ptr": "*i32", "cpu_rows_ptr": "*fp32", "errors_ptr": "*i32",
+             "timeout_ns": "i64"},
+            {"TOP_K": 8, "BLOCK_H": 1024, "HAS_ADD": add, "CPU_SHARE": cpu_share, "BLOCK_K2": 8,
+             "INTERPRETED": False}, 4)
         assert "fma.rn.bf16" not in moe_combine["ptx"] and "add.rn.bf16" not in moe_combine["ptx"]
+        # the wait for the host's mark: volatile loads bounded by the global timer
+        assert ("%globaltimer" in moe_combine["ptx"] and "ld.volatile.global" in moe_combine["ptx"]) == cpu_share
     from oled.kernels.mlp_kernel import silu_mul_kernel
     silu_mul = build(silu_mul_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "h_row_stride": "i32",
                                        "out_row_stride": "i32", "inter": "i32"},

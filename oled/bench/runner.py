@@ -111,6 +111,7 @@ class BenchConfig:
     offload_graphs: bool = True
     mapped_misses: bool | None = None
     capture_slots: int = EngineConfig.capture_slots
+    cpu_share: bool = EngineConfig.cpu_share
     shared_stream: bool = True
     shared_in_moe: bool = True
     fused: dict = field(default_factory=dict)        # EngineConfig's fused_* fields (the Triton kernels)
@@ -262,7 +263,8 @@ class Bench:
                             device=cfg.device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
                             pin_memory=cfg.pin_memory, cuda_graphs=cfg.cuda_graphs,
                             offload_graphs=cfg.offload_graphs, mapped_misses=cfg.mapped_misses,
-                            capture_slots=cfg.capture_slots, shared_stream=cfg.shared_stream,
+                            capture_slots=cfg.capture_slots, cpu_share=cfg.cpu_share,
+                            shared_stream=cfg.shared_stream,
                             shared_in_moe=cfg.shared_in_moe, **cfg.fused,
                             **cfg.cpu_kernel,
                             policy="lru",

@@ -83,7 +83,7 @@ def run(args) -> int:
                       random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
                       dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
                       cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
-                      mapped_misses=args.mapped_misses, capture_slots=args.capture_slots,
+                      mapped_misses=args.mapped_misses, capture_slots=args.capture_slots, cpu_share=args.cpu_share,
                       shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe,
                       fused=fused_fields(args), cpu_kernel=cpu_kernel_fields(args),
                       decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,

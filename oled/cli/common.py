@@ -113,6 +113,11 @@ def add_execution_args(g) -> None:
                         "into which the kernels write the misses they read from host memory, so a kept miss crosses "
                         "PCIe once (at most half the layer's slots; 0: kept misses are copied after the iteration; "
                         f"default {d.capture_slots})")
+    g.add_argument("--cpu-share", action=argparse.BooleanOptionalAction, default=d.cpu_share,
+                   help="with mapped misses and a policy that computes misses on the CPU: each layer of a denoising "
+                        "iteration gives part of the misses it would read over PCIe to the CPU kernel, which computes "
+                        "them beside the GPU's reads (how many from the measured cost model; default "
+                        f"{'on' if d.cpu_share else 'off'})")
     g.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
                    help="compute the shared expert on the main stream, after the routed experts (default: on a "
                         "second CUDA stream beside them, in the all-resident and mapped forwards)")
@@ -156,8 +161,8 @@ def engine_config(args) -> EngineConfig:
                         torch_threads=getattr(args, "torch_threads", None),
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
-                        capture_slots=args.capture_slots, shared_stream=args.shared_stream,
-                        shared_in_moe=args.shared_in_moe, profile=getattr(args, "profile", False),
+                        capture_slots=args.capture_slots, cpu_share=args.cpu_share,
+                        shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe, profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

@@ -41,15 +41,30 @@ def _slot_of(pair_slots_ptr, slot_map_ptr, pair, num_pairs, num_routed, num_slot
     return tl.where(here, rel, -1).to(tl.int32)
 
 
+@triton.jit
+def _store_routing(pair_slots_ptr, weights_ptr, routing_ptr, pair, num_routed, TOP_K: tl.constexpr):
+    """The routing of `pair`s (a lane vector) into routing [T, 3 * TOP_K] int32: ids as two int32 halves, then the
+    weights' fp32 bits."""
+    inside = pair < num_routed
+    expert = tl.load(pair_slots_ptr + pair, mask=inside, other=0)
+    weight = tl.load(weights_ptr + pair, mask=inside, other=0.0).to(tl.float32)
+    row = (pair // TOP_K) * (3 * TOP_K)
+    col = pair % TOP_K
+    tl.store(routing_ptr + row + 2 * col, expert.to(tl.int32), mask=inside)
+    tl.store(routing_ptr + row + 2 * col + 1, (expert >> 32).to(tl.int32), mask=inside)
+    tl.store(routing_ptr + row + 2 * TOP_K + col, weight.to(tl.int32, bitcast=True), mask=inside)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_routed", "num_slots", "slot_base", "host_bin", "shared_bin",
-                               "num_blocks", "num_capture"])
+                               "num_blocks", "num_capture", "x_row_stride"])
 def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
-    weights_ptr, routing_ptr,
-    num_pairs, num_routed, num_slots, slot_base, host_bin, shared_bin, num_blocks, num_capture,
+    weights_ptr, routing_ptr, cpu_table_ptr, x_ptr, x_rows_ptr, pair_on_cpu_ptr, done_ptr,
+    num_pairs, num_routed, num_slots, slot_base, host_bin, shared_bin, num_blocks, num_capture, x_row_stride,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
     LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr, BLOCK_R: tl.constexpr,
     ROUTING: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+    CPU_SHARE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
     """pair_slots [num_pairs] (or expert ids, with LOOKUP) -> sorted_pairs [num_blocks * BLOCK_M] int32,
     block_slots [num_blocks] int32 (cursor [BLOCK_S] int32 is scratch). num_slots counts the bins: the pool's
@@ -75,6 +90,16 @@ def align_pairs_kernel(
     (T = num_pairs / TOP_K): row t holds the ids of pairs t * TOP_K .. as int64 (two int32 halves each, low first),
     then their weights (weights [num_pairs], any float dtype) as fp32 bits. On a GPU routing is pinned host memory
     written through its mapped address: the read-back with no copy node and no concatenation.
+
+    CPU_SHARE (with MAPPED and ROUTING): part of the experts read from host memory are computed on the CPU instead,
+    inside the forward. With m such experts (bins with pairs), the c = min(cpu_table[m], m) of highest id are the
+    CPU's: their bins get no rows (nothing of the call computes them, nor captures them: the capture ranks the
+    others), pair_on_cpu [num_routed] int32 gets 1 for each of their pairs (0 for every other), and the input rows
+    x [T, HIDDEN] (row stride x_row_stride) of every token with such a pair are stored into x_rows [T, HIDDEN]
+    (pinned host memory: the CPU's input). Then done [1] int32 (pinned; the host sets it once the CPU's rows are
+    written, the combine waits for it) is set to 0 by a system-scope acquire-release exchange, and only then is the
+    routing stored: a host that sees the routing sees the input rows and done's reset before it. The host learns
+    the CPU's experts from the routing by the same rule (oled/runtime/cpu_share.py).
     """
     lane = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)
@@ -83,21 +108,21 @@ def align_pairs_kernel(
     counts = tl.zeros([BLOCK_S], tl.int32)
     start = 0
     while start < num_pairs:
-        if ROUTING:
-            pair = start + lane
-            inside = pair < num_routed
-            expert = tl.load(pair_slots_ptr + pair, mask=inside, other=0)
-            weight = tl.load(weights_ptr + pair, mask=inside, other=0.0).to(tl.float32)
-            row = (pair // TOP_K) * (3 * TOP_K)
-            col = pair % TOP_K
-            tl.store(routing_ptr + row + 2 * col, expert.to(tl.int32), mask=inside)
-            tl.store(routing_ptr + row + 2 * col + 1, (expert >> 32).to(tl.int32), mask=inside)
-            tl.store(routing_ptr + row + 2 * TOP_K + col, weight.to(tl.int32, bitcast=True), mask=inside)
+        if ROUTING and not CPU_SHARE:
+            _store_routing(pair_slots_ptr, weights_ptr, routing_ptr, start + lane, num_routed, TOP_K)
         slot = _slot_of(pair_slots_ptr, slot_map_ptr, start + lane, num_pairs, num_routed, num_slots, slot_base,
                         host_bin, shared_bin, LOOKUP, MAPPED, SHARED)
         # masked-out lanes are 0, not -1: the interpreter's masked histogram takes them back off bin 0
         counts += tl.histogram(tl.where(slot >= 0, slot, 0), BLOCK_S, mask=slot >= 0)
         start += BLOCK_P
+    to_cpu = slots < 0                          # no bin, unless CPU_SHARE gives some to the CPU
+    if CPU_SHARE:
+        mapped_bins = (slots >= host_bin) & (slots < shared_bin) & (counts > 0)
+        num_mapped = tl.sum(mapped_bins.to(tl.int32), axis=0)
+        num_cpu = tl.minimum(tl.load(cpu_table_ptr + num_mapped), num_mapped)
+        mapped_rank = tl.cumsum(mapped_bins.to(tl.int32), axis=0) - 1
+        to_cpu = mapped_bins & (mapped_rank >= num_mapped - num_cpu)
+        counts = tl.where(to_cpu, 0, counts)    # no rows, no blocks, no capture
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     # the experts read from host memory first: their blocks are launched first, so their PCIe-bound reads start before
     # the pool's blocks rather than after them (no gain measured in an isolated call: the reads are bound by PCIe's
@@ -110,7 +135,8 @@ def align_pairs_kernel(
                       pcie_rows + tl.cumsum(padded_rest, axis=0) - padded_rest)
     used_rows = tl.sum(padded, axis=0)
 
-    tl.store(cursor_ptr + slots, starts)
+    # a CPU bin's cursor starts far below 0, so its pairs' rows (the atomics' old values) stay negative: not placed
+    tl.store(cursor_ptr + slots, tl.where(to_cpu, -(1 << 30), starts))
     blocks = padded // BLOCK_M
     most = tl.max(blocks, axis=0)
     j = 0
@@ -153,5 +179,35 @@ def align_pairs_kernel(
                         shared_bin, LOOKUP, MAPPED, SHARED)
         placed = slot >= 0
         row = tl.atomic_add(cursor_ptr + tl.where(placed, slot, 0), 1, mask=placed, sem="relaxed")
-        tl.store(sorted_pairs_ptr + row, pair, mask=placed)
+        tl.store(sorted_pairs_ptr + row, pair, mask=placed & (row >= 0))
+        if CPU_SHARE:
+            tl.store(pair_on_cpu_ptr + pair, (placed & (row < 0)).to(tl.int32), mask=pair < num_routed)
         start += BLOCK_P
+    if CPU_SHARE:
+        tl.debug_barrier()      # pair_on_cpu written before it is read back below
+        # the rows in tiles of 16 tokens x 1,024 columns (a tile without a CPU token skipped): a few iterations of
+        # independent loads, where a loop a token and 1,024 columns waited on a load per iteration
+        num_tokens = num_routed // TOP_K
+        toks = tl.arange(0, 16)
+        ks = tl.arange(0, BLOCK_K2)
+        cols = tl.arange(0, 1024)
+        t = 0
+        while t < num_tokens:
+            tok = t + toks
+            marks = tl.load(pair_on_cpu_ptr + tok[:, None] * TOP_K + ks[None, :],
+                            mask=(tok[:, None] < num_tokens) & (ks[None, :] < TOP_K), other=0)
+            on_cpu = tl.sum(marks, axis=1) > 0
+            if tl.sum(on_cpu.to(tl.int32), axis=0) > 0:
+                h = 0
+                while h < HIDDEN:
+                    here = on_cpu[:, None] & (h + cols[None, :] < HIDDEN)
+                    v = tl.load(x_ptr + tok[:, None].to(tl.int64) * x_row_stride + h + cols[None, :], mask=here)
+                    tl.store(x_rows_ptr + tok[:, None].to(tl.int64) * HIDDEN + h + cols[None, :], v, mask=here)
+                    h += 1024
+            t += 16
+        # the input rows and the reset of done land before the routing, which tells the host they are there
+        tl.atomic_xchg(done_ptr, 0, sem="acq_rel", scope="sys")
+        start = 0
+        while start < num_routed:
+            _store_routing(pair_slots_ptr, weights_ptr, routing_ptr, start + lane, num_routed, TOP_K)
+            start += BLOCK_P

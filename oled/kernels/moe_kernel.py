@@ -25,6 +25,12 @@ from .kernel_math import exact_dot, round_to, silu
 
 
 @triton.jit
+def _now_ns():
+    """The GPU's global timer in ns (PTX %globaltimer): a wait's bound."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
              MAPPED: tl.constexpr, SHARED: tl.constexpr):
     """The start of the blob of a block's bin: a slot of the pool, with MAPPED an expert's row in host memory, with
@@ -175,19 +181,43 @@ def down_kernel(
 @triton.jit
 def combine_kernel(
     y_ptr, weights_ptr, add_ptr, out_ptr, y_row_stride, add_row_stride, out_row_stride, hidden,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr,
+    pair_on_cpu_ptr, done_ptr, row_of_pair_ptr, cpu_rows_ptr, errors_ptr, timeout_ns,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr, CPU_SHARE: tl.constexpr,
+    BLOCK_K2: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Grid (tokens, column tiles): out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32 (weights widened from
     their dtype), in routing order j = 0, 1, ..., rounded to out's dtype; with HAS_ADD, + add[t] (the shared
-    expert's output) and rounded again, as torch's add of the two."""
+    expert's output) and rounded again, as torch's add of the two.
+    CPU_SHARE: a pair p with pair_on_cpu[p] set was computed on the CPU: its y is row row_of_pair[p] of cpu_rows
+    (pinned, fp32, rows of `hidden`), rounded to out's dtype as the GPU's pair output is, read once the host has set
+    done (pinned). A program with such a pair polls done (volatile loads: each crosses PCIe) for at most
+    timeout_ns; past that it adds 1 to errors (pinned) and goes on, and the host fails the forward. Under the
+    interpreter the host has set done before the launch (one thread runs both)."""
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     here = col < hidden
+    dtype = out_ptr.dtype.element_ty
+    if CPU_SHARE:
+        ks = tl.arange(0, BLOCK_K2)
+        any_cpu = tl.sum(tl.load(pair_on_cpu_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0), axis=0) > 0
+        if any_cpu:
+            seen = tl.load(done_ptr, volatile=True)
+            if not INTERPRETED:
+                start = _now_ns()
+                while (seen == 0) & (_now_ns() - start < timeout_ns):
+                    seen = tl.load(done_ptr, volatile=True)
+            if seen == 0:
+                tl.atomic_add(errors_ptr, 1, sem="relaxed", scope="sys")
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in range(TOP_K):
         w = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
-        acc += tl.load(y_ptr + (t * TOP_K + j) * y_row_stride + col, mask=here, other=0.0).to(tl.float32) * w
-    dtype = out_ptr.dtype.element_ty
+        y = tl.load(y_ptr + (t * TOP_K + j) * y_row_stride + col, mask=here, other=0.0).to(tl.float32)
+        if CPU_SHARE:
+            if tl.load(pair_on_cpu_ptr + t * TOP_K + j) != 0:
+                row = tl.load(row_of_pair_ptr + t * TOP_K + j, volatile=True).to(tl.int64)
+                y = round_to(tl.load(cpu_rows_ptr + row * hidden + col, mask=here, other=0.0, volatile=True),
+                             dtype, True)
+        acc += y * w
     acc = round_to(acc, dtype, True)
     if HAS_ADD:
         extra = tl.load(add_ptr + t * add_row_stride + col, mask=here, other=0.0).to(tl.float32)

@@ -56,7 +56,7 @@ import torch
 
 from .triton_support import available, check_device, interpreted
 
-__all__ = ["MoeTiles", "align_pairs", "available", "combine_pairs", "fused_swiglu_pairs", "padded_rows"]
+__all__ = ["CpuShare", "MoeTiles", "align_pairs", "available", "combine_pairs", "fused_swiglu_pairs", "padded_rows"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_TILE = 16                  # tl.dot's smallest M, N and K
@@ -84,6 +84,26 @@ class MoeTiles:
 DEFAULT_TILES = MoeTiles()
 
 
+@dataclass(frozen=True)
+class CpuShare:
+    """The buffers through which a mapped MoE call hands part of its misses to the CPU and takes the CPU's rows back,
+    inside the forward (one set per layer and token count; the rule and the host's side: oled/runtime/cpu_share.py).
+    The alignment (align_pairs) gives the CPU the c = min(table[m], m) highest ids of the m experts it would read
+    from host memory, marks their pairs in pair_on_cpu, stores the input rows of their tokens into x_rows, resets
+    done and then stores the routing. The host computes those pairs into rows (row_of_pair[p]: the row of pair p)
+    and sets done to 1; the combine (combine_pairs) waits for done, at most timeout_ns (then adds 1 to errors and
+    takes whatever the rows hold: the caller must fail the forward), and takes those pairs' outputs from rows,
+    rounded to the model's dtype as a GPU pair's output is."""
+    table: torch.Tensor         # [E + 1] int32, on the device: CPU experts for m experts read from host memory
+    x_rows: torch.Tensor        # [T, H] in x's dtype, pinned host memory: the inputs of tokens with a CPU pair
+    pair_on_cpu: torch.Tensor   # [T * k] int32, on the device: 1 where a pair is computed on the CPU
+    done: torch.Tensor          # [1] int32, pinned: 0 from the alignment on, 1 once the host wrote the rows
+    row_of_pair: torch.Tensor   # [T * k] int32, pinned: the row of `rows` holding a CPU pair's output
+    rows: torch.Tensor          # [R, H] fp32, pinned: the CPU's outputs
+    errors: torch.Tensor        # [1] int32, pinned: combine programs that stopped waiting for done
+    timeout_ns: int = 500_000_000
+
+
 def mapped_rows(mapped: bool) -> int:
     """Residency.mapped_rows of an engine with the default tiles: the pairs a block holds (a mapped blob is read
     once per block of its pairs) with mapped misses, 0 without."""
@@ -102,7 +122,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
                        tiles: MoeTiles = DEFAULT_TILES, slot_map: torch.Tensor | None = None,
                        host: torch.Tensor | None = None, capture: torch.Tensor | None = None,
                        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       shared: torch.Tensor | None = None) -> None:
+                       shared: torch.Tensor | None = None, cpu_share: CpuShare | None = None) -> None:
     """out[p] = SwiGLU expert of slot pair_slots[p] - slot_base applied to x[p // k], for every pair whose slot
     is in the pool; other rows of out untouched.
 
@@ -125,6 +145,8 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     shared expert is computed in the same launches as T more pairs, one a token: out then has T * k + T rows, and
     row T * k + t gets shared(x[t]) (the same bits as a routed pair of those weights: one more bin, read once per
     block of its rows).
+    With cpu_share (with host, slot_map and routing), the alignment gives part of the experts it would read from host
+    memory to the CPU (CpuShare): their rows of out are left as they are, for combine_pairs to take from the CPU.
     """
     from .moe_kernel import down_kernel, gate_up_kernel
 
@@ -147,7 +169,8 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     shared_bin = bins - 1 if shared is not None else bins
     sorted_pairs, block_slots, block_capture = align_pairs(
         pair_slots, bins, slot_base, block_m, slot_map, host_bin=num_slots, mapped=mapped and slot_map is not None,
-        capture=capture, routing=routing, shared_tokens=0 if shared is None else x.shape[0])
+        capture=capture, routing=routing, shared_tokens=0 if shared is None else x.shape[0], cpu_share=cpu_share,
+        x=x)
     num_blocks = block_slots.shape[0]
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
@@ -167,11 +190,14 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
         HIDDEN=hidden, INTER=intermediate, BLOCK_M=block_m, BLOCK_N=n_down, BLOCK_K=k_down, **launch)
 
 
-def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
+                  cpu_share: CpuShare | None = None) -> torch.Tensor:
     """The MoE layer's output in one launch: out[t] = sum_j weights[t, j] * y_pairs[t * k + j] (fp32, routing order,
     rounded to y's dtype), + add[t] when given (the shared expert's output, a second rounding as torch's add).
     y_pairs [T * k, H], weights [T, k] (fp32, or the model dtype for LLaDA-MoE), add [T, H] -> [T, H]. The torch
-    path (ExpertManager.combine) is five launches: the widening, the product, the sum, the cast back, the add."""
+    path (ExpertManager.combine) is five launches: the widening, the product, the sum, the cast back, the add.
+    With cpu_share, the pairs its alignment gave the CPU are taken from its rows once the host has set done (a
+    program with such a pair waits for it; see CpuShare)."""
     import triton
 
     from .moe_kernel import combine_kernel
@@ -189,19 +215,29 @@ def combine_pairs(y_pairs: torch.Tensor, weights: torch.Tensor, add: torch.Tenso
         add = add.contiguous()
     check_device(combine_kernel, y_pairs, weights, *([add] if add is not None else []))
     out = torch.empty(T, hidden, dtype=y_pairs.dtype, device=y_pairs.device)
+    share = cpu_share
+    if share is not None and (share.pair_on_cpu.shape != (T * k,) or share.rows.shape[1] != hidden
+                              or share.rows.dtype != torch.float32 or share.row_of_pair.shape != (T * k,)):
+        raise ValueError(f"cpu_share's pair_on_cpu and row_of_pair must be [{T * k}] and its rows [R, {hidden}] fp32")
     if T:
         block = min(triton.next_power_of_2(hidden), 1024)
+        pair_on_cpu, done, row_of_pair, rows, errors = (
+            (weights,) * 5 if share is None
+            else (share.pair_on_cpu, share.done, share.row_of_pair, share.rows, share.errors))
         combine_kernel[(T, triton.cdiv(hidden, block))](
             y_pairs, weights, y_pairs if add is None else add, out, y_pairs.stride(0),
-            0 if add is None else add.stride(0), out.stride(0), hidden, TOP_K=k, BLOCK_H=block,
-            HAS_ADD=add is not None, num_warps=4)
+            0 if add is None else add.stride(0), out.stride(0), hidden,
+            pair_on_cpu, done, row_of_pair, rows, errors, 0 if share is None else share.timeout_ns,
+            TOP_K=k, BLOCK_H=block, HAS_ADD=add is not None, CPU_SHARE=share is not None,
+            BLOCK_K2=triton.next_power_of_2(k), INTERPRETED=interpreted(combine_kernel), num_warps=4)
     return out
 
 
 def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_m: int,
                 slot_map: torch.Tensor | None = None, *, host_bin: int | None = None, mapped: bool = False,
                 capture: torch.Tensor | None = None, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                shared_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                shared_tokens: int = 0, cpu_share: CpuShare | None = None, x: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: pair_slots [P] int64 (contiguous, P > 0; expert ids to look up in slot_map [E] int64 when given)
     -> (sorted_pairs [padded_rows] int32, block_slots [padded_rows / block_m] int32), as
     oled/kernels/moe_align_kernel.py lays them out. num_slots bins; with mapped (and slot_map), the pool's slots
@@ -212,7 +248,8 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
     (contiguous; for a compiled kernel pinned host memory, or on the pairs' device) get the call's routing as the
     kernel's docstring lays it out (the ids' int64 halves, then the weights' fp32 bits), in the same launch.
     shared_tokens T > 0: the last of the num_slots bins is the shared expert's, and T pairs P .. P + T - 1 (past
-    pair_slots' P) are placed in it, one a token."""
+    pair_slots' P) are placed in it, one a token. cpu_share (with mapped and routing; x [T, H], the call's input):
+    the CPU's part of the experts read from host memory, as CpuShare lays out."""
     import triton
 
     from .moe_align_kernel import align_pairs_kernel
@@ -242,16 +279,28 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
                 and not (dst.device.type == "cpu" and dst.is_pinned())):
             raise ValueError(f"routing's dst must be pinned host memory (or on {device}) for a compiled kernel")
         weights = weights.contiguous()
+    share = cpu_share
+    if share is not None and (not mapped or routing is None or x is None or share.x_rows.shape != x.shape
+                              or share.pair_on_cpu.shape != (num_routed,) or share.table.dtype != torch.int32
+                              or share.pair_on_cpu.dtype != torch.int32 or share.done.dtype != torch.int32
+                              or x.stride(1) != 1 or not share.x_rows.is_contiguous()):
+        raise ValueError("cpu_share needs mapped misses and the routing's store, x_rows shaped as x, pair_on_cpu "
+                         f"[{num_routed}] int32 and int32 table and done")
+    x_src = pair_slots if share is None else x           # not read without CPU_SHARE
+    share_args = ((pair_slots,) * 4 if share is None
+                  else (share.table, share.x_rows, share.pair_on_cpu, share.done))
     align_pairs_kernel[(1,)](
         pair_slots, pair_slots if slot_map is None else slot_map, sorted_pairs, block_slots, cursor,
-        pair_slots if capture is None else capture, block_capture, weights, dst, num_pairs, num_routed,
+        pair_slots if capture is None else capture, block_capture, weights, dst, share_args[0], x_src,
+        share_args[1], share_args[2], share_args[3], num_pairs, num_routed,
         num_slots, slot_base, num_slots if host_bin is None else host_bin,
         num_slots - 1 if shared_tokens else num_slots, block_slots.shape[0],
-        0 if capture is None else capture.shape[0],
+        0 if capture is None else capture.shape[0], 0 if share is None else x.stride(0),
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
         BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
         BLOCK_R=max(2, triton.next_power_of_2(0 if capture is None else capture.shape[0])),
-        ROUTING=routing is not None, TOP_K=top_k, SHARED=shared_tokens > 0, num_warps=4)
+        ROUTING=routing is not None, TOP_K=top_k, SHARED=shared_tokens > 0, CPU_SHARE=share is not None,
+        HIDDEN=0 if x is None else x.shape[1], BLOCK_K2=triton.next_power_of_2(max(top_k, 1)), num_warps=4)
     return sorted_pairs, block_slots, block_capture
 
 

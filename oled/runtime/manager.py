@@ -74,7 +74,8 @@ class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
                  timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
                  cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False,
-                 capture_slots: int = 0, shared_stream: bool = False, shared_in_moe: bool = False):
+                 capture_slots: int = 0, shared_stream: bool = False, shared_in_moe: bool = False,
+                 cpu_share: bool = False):
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config = store.config
         self.layers = store.layers
@@ -122,7 +123,8 @@ class ExpertManager:
         self.residency = Residency(self.cache, policy, self.stats, num_experts=self.config.num_experts,
                                    top_k=self.config.top_k, expert_bytes=store.expert_bytes, costs=costs,
                                    mapped_rows=self.fused_swiglu_rows if mapped_misses else 0,
-                                   capture_slots=capture_slots if mapped_misses else 0)
+                                   capture_slots=capture_slots if mapped_misses else 0,
+                                   cpu_share=cpu_share and mapped_misses and cpu_kernel is not None)
         self._slots_changed: set[int] = set()     # layers whose residency or readiness changed since their row of
                                                   # the device slot map was last written
         self._place_initial()
@@ -143,6 +145,15 @@ class ExpertManager:
         # into the layer's armed slots (Residency.arm_capture: free ones, then its next victims'), so a kept miss
         # crosses PCIe once. The capture table: per layer, the slots a mapped forward may capture into (absolute,
         # -1: none).
+        # EngineConfig.cpu_share: a mapped forward's layers give part of their misses to the CPU kernel, which computes
+        # them while the GPU reads the rest, and the combine waits for its rows (runtime/cpu_share.py): the
+        # alignment's rule over the table of Residency.cpu_share_table, the buffers of CpuShare per (layer, tokens)
+        table = self.residency.cpu_share_table if self.mapped else None
+        self.cpu_share = table is not None
+        self._share_table = torch.tensor(table, dtype=torch.int32, device=self.device) if self.cpu_share else None
+        self._shares: dict[tuple[int, int], object] = {}
+        self._share_errors = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) if self.cpu_share else None
+        self._shared_now: dict[int, list[int]] = {}  # without CUDA: layer -> the CPU experts served inside run_mapped
         capture = self.residency.capture_slots if self.mapped else 0
         E = self.config.num_experts
         # The device state a forward reads, in one tensor so that one copy writes it between forwards
@@ -247,10 +258,13 @@ class ExpertManager:
             else:
                 y_pairs.index_copy_(0, order[:n_valid], y[:n_valid])
 
-    def combine(self, y_pairs, weights, shared_out=None):
+    def combine(self, y_pairs, weights, shared_out=None, cpu_share=None):
         """sum_k weights[t, k] * y_pairs[t * k + k'], in fp32, in routing order, in the model dtype; + shared_out
-        (the shared expert's output) when given, as the model adds it."""
+        (the shared expert's output) when given, as the model adds it. cpu_share: the pairs of a mapped layer's CPU
+        share are taken from the CPU's rows (fused kernels only)."""
         if self.fused_combine is not None:
+            if cpu_share is not None:
+                return self.fused_combine(y_pairs, weights, shared_out, cpu_share=cpu_share)
             return self.fused_combine(y_pairs, weights, shared_out)
         T, k = weights.shape
         out = (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
@@ -298,9 +312,69 @@ class ExpertManager:
         # in the graph (BENCHMARKS.md section 23).
         routing = self._mapped_buffer(layer, ids.shape[0], ids.shape[1])
         self._readback[layer, x.shape[0], False, False, True] = ([routing], None, False, False)
-        y_pairs, shared_out = self._grouped_all(layer, x, ids, shared, mapped=True, routing=(weights, routing))
+        share = self._share_buffers(layer, x) if self.cpu_share else None
+        y_pairs, shared_out = self._grouped_all(layer, x, ids, shared, mapped=True, routing=(weights, routing),
+                                                cpu_share=share)
         self._routing_log.append((layer, x.shape[0]))
-        return self.combine(y_pairs, weights, shared_out)
+        if share is not None and not self.cuda:
+            # no GPU to wait while the host works: the kernels ran already (interpreted), so the CPU's share is
+            # computed now, before the combine reads it; _decide_mapped takes its experts from _shared_now
+            ids_h = routing.numpy()[:, : 2 * ids.shape[1]].copy().view(np.int64)
+            cpu = self._shared_now[layer] = self.residency.mapped_cpu_share(layer, ids_h)
+            self._finish_share(share, self._start_share(layer, share, ids_h.reshape(-1), cpu), None)
+        return self.combine(y_pairs, weights, shared_out, cpu_share=share)
+
+    def _share_buffers(self, layer: int, x: torch.Tensor):
+        """The CpuShare of (layer, tokens): fixed buffers, so that a graph replaying the forward uses the ones the
+        host serves."""
+        share = self._shares.get((layer, x.shape[0]))
+        if share is None:
+            from ..kernels.triton_moe import CpuShare
+
+            T, k, pin = x.shape[0], self.config.top_k, self.cuda
+            share = CpuShare(table=self._share_table,
+                             x_rows=torch.zeros(T, self.hidden, dtype=x.dtype, pin_memory=pin),
+                             pair_on_cpu=torch.zeros(T * k, dtype=torch.int32, device=self.device),
+                             done=torch.zeros(1, dtype=torch.int32, pin_memory=pin),
+                             row_of_pair=torch.full((T * k,), -1, dtype=torch.int32, pin_memory=pin),
+                             rows=torch.zeros(T * k, self.hidden, dtype=torch.float32, pin_memory=pin),
+                             errors=self._share_errors)
+            self._shares[layer, x.shape[0]] = share
+        return share
+
+    def _start_share(self, layer: int, share, flat: np.ndarray, cpu: list[int]):
+        """Submit the CPU's share of a mapped layer (its experts `cpu`, the routing's ids `flat`) to the CPU kernel,
+        on the input rows the alignment stored, writing share.rows; None when the share is empty."""
+        if not cpu:
+            return None
+        sel = np.isin(flat, cpu)
+        pair_idx = np.nonzero(sel)[0]
+        order = np.argsort(flat[pair_idx], kind="stable")      # pairs grouped by expert, routing order inside
+        pair_idx = pair_idx[order]
+        pair_exp = flat[pair_idx]
+        k = flat.size // share.x_rows.shape[0]
+        job_experts, starts = np.unique(pair_exp, return_index=True)
+        offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
+        blobs = [self.store.blob(layer, int(e)) for e in job_experts]
+        n = len(pair_idx)
+        submitted = time.perf_counter()
+        job = self.cpu_kernel.submit(share.x_rows, torch.from_numpy(pair_idx // k), offsets, blobs, self.inter,
+                                     share.rows[:n])
+        share.row_of_pair.numpy()[pair_idx] = np.arange(n, dtype=np.int32)    # read once done is set
+        predicted = self.costs.cpu_jobs_seconds(int(c) for c in np.diff(offsets.numpy())) if self.costs else 0.0
+        return job, submitted, predicted
+
+    def _finish_share(self, share, job, rec) -> None:
+        """Wait for the CPU's share and tell the GPU its rows are there (share.done); its times into rec."""
+        if job is None:
+            return
+        cpu_job, submitted, predicted = job
+        kernel_s = cpu_job.wait()
+        share.done.numpy()[0] = 1
+        if rec is not None:
+            rec.cpu_s += kernel_s
+            rec.cpu_path_s += time.perf_counter() - submitted
+            rec.cpu_s_model += predicted
 
     def shared_ahead(self, x, shared):
         """What the MoE layer passes to run() as its shared expert, called before the layer routes: on the one-graph
@@ -463,7 +537,7 @@ class ExpertManager:
         base = self.layer_pos[layer] * self.cache.capacity
         return base, self.cache.pool[base:base + self.cache.capacity]
 
-    def _grouped_all(self, layer, x, ids, shared=None, mapped: bool = False, routing=None
+    def _grouped_all(self, layer, x, ids, shared=None, mapped: bool = False, routing=None, cpu_share=None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The grouped compute of every pair whose expert the device slot map holds, one output row per (token,
         expert) pair; rows of pairs without one are unspecified, or with `mapped` computed from the pinned store.
@@ -485,7 +559,8 @@ class ExpertManager:
                 self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y, slot_base=base, slot_map=row,
                                   host=self.store.blobs[pos] if mapped else None,
                                   capture=self.capture_table[pos] if mapped and self.capture_table is not None
-                                  else None, routing=routing, shared=blob)
+                                  else None, routing=routing, shared=blob,
+                                  **({"cpu_share": cpu_share} if cpu_share is not None else {}))
         else:
             self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         if blob is not None:
@@ -637,7 +712,11 @@ class ExpertManager:
             self.flush()
 
     def launched(self) -> None:
-        """The loop has queued a forward: do the host work queued before it."""
+        """The loop has queued a forward: do the host work queued before it. A mapped forward with a CPU share
+        leaves it to _decide_mapped, which does it once the first layer's CPU job is under way: the GPU waits for
+        that job's rows, not for the policy's bookkeeping."""
+        if self._mapped_now and self.cpu_share and self.cuda:
+            return
         self.flush()
 
     def flush(self) -> None:
@@ -657,6 +736,8 @@ class ExpertManager:
             if not (self._prepared and self._mapped_now):
                 self._prepare_device(self._mapped_now)
             self._prepared = False
+        if self._mapped_now and self.cpu_share and self.cuda:
+            self.cpu_kernel.hold(FORWARD_HOLD_S)  # the workers awake when the first layer's share arrives
         if self._overlap or self._mapped_now:
             self._deferred.append((self._start_forward, info))
         else:
@@ -754,11 +835,23 @@ class ExpertManager:
         held = None                               # the last layer's loads, copied once its compute is done
         for layer, tokens in log:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
+            # the CPU's share first: the GPU waits for its rows in this layer's combine
+            cpu, job, share = None, None, None
+            if self.cpu_share:
+                if self.cuda:
+                    cpu = self.residency.mapped_cpu_share(layer, ids_h)
+                    share = self._shares[layer, tokens]
+                    job = self._start_share(layer, share, ids_h.reshape(-1), cpu)
+                else:
+                    cpu = self._shared_now.pop(layer)
+            if self._deferred:                    # the bookkeeping launched() left (CPU share), while the job runs
+                self.flush()
             if held is not None:
                 # this layer's routing is stored by its first kernel, which the stream ran after the last layer's
                 # compute: that compute, which read the victims' slots, is done, so the copies need not wait
                 self._copy(*held, wait_layer=False)
-            first = self.residency.decide_mapped(layer, ids_h, weights_h)
+            first = self.residency.decide_mapped(layer, ids_h, weights_h, cpu)
+            self._finish_share(share, job, self.stats.records[-1])
             held = (layer, first.loads, first.slots)
             if self.stats.records[-1].experts_captured:      # captured experts in, their victims out of the map
                 self._slots_changed.add(layer)
@@ -771,6 +864,21 @@ class ExpertManager:
         # started with; begin_forward redoes it for a forward of the other path.
         self._prepare_device(True)
         self._prepared = True
+        if self.cpu_share:
+            self._check_share()
+
+    def _check_share(self) -> None:
+        """After a mapped forward with a CPU share (its decisions made and the next forward's state queued): the
+        workers may sleep again, and once the forward is done, a combine that stopped waiting for the CPU's rows
+        (CpuShare.timeout_ns) fails it, since its outputs are then wrong (the loop reads them only after this)."""
+        if self.cuda:
+            self.cpu_kernel.hold(0.0)
+            self._forward_end.synchronize()
+        errors = self._share_errors.numpy()
+        if errors[0]:
+            errors[0] = 0
+            raise RuntimeError("a mapped forward's combine stopped waiting for the CPU's share of its misses "
+                               "(no answer from the host within the timeout): its outputs are not used")
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
         """The capture table's mirror for the forward that begins: each layer's armed slots

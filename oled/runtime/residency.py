@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..policies.base import ForwardInfo, LayerDecision, LayerEvent, Policy, PolicyContext, increasing_ids
+from .cpu_share import cpu_share_experts, cpu_share_table
 from .expert_cache import ExpertCache
 from .stats import LayerRecord, RunStats
 
@@ -39,12 +40,15 @@ class Wave:
 
 class Residency:
     def __init__(self, cache: ExpertCache, policy: Policy, stats: RunStats, *, num_experts: int, top_k: int,
-                 expert_bytes: int, costs=None, mapped_rows: int = 0, capture_slots: int = 0):
+                 expert_bytes: int, costs=None, mapped_rows: int = 0, capture_slots: int = 0,
+                 cpu_share: bool = False):
         """mapped_rows: with mapped misses, the pairs a block of the fused kernels holds (their BLOCK_M), a mapped
         blob being read once per such block of its pairs; 0: mapped misses off. capture_slots: with mapped misses,
         the slots of a layer (free ones, then its next victims) a mapped forward may capture its misses into (at most
         half the layer's slots; 0: none, every miss a mapped forward keeps is copied after it; none either for a
-        policy that never loads, Policy.loads_misses: it would pay the capture's kernel logic and capture nothing)."""
+        policy that never loads, Policy.loads_misses: it would pay the capture's kernel logic and capture nothing).
+        cpu_share: with mapped misses, a policy that computes misses on the CPU (Policy.uses_cpu) and a cost model,
+        a mapped forward's layers give part of their misses to the CPU (runtime/cpu_share.py)."""
         self.cache, self.policy, self.stats = cache, policy, stats
         self.top_k, self.mapped_rows = top_k, mapped_rows
         self.capture_slots = min(capture_slots, cache.capacity // 2) if mapped_rows and policy.loads_misses else 0
@@ -59,6 +63,9 @@ class Residency:
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
         self.forward: ForwardInfo | None = None
+        # with a CPU share: for m misses of a mapped layer, how many the CPU computes (the kernels read it too)
+        self.cpu_share_table = (cpu_share_table(costs, num_experts)
+                                if cpu_share and mapped_rows and policy.uses_cpu and costs is not None else None)
         self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
                                    top_k=top_k, expert_bytes=expert_bytes, costs=costs))
@@ -219,17 +226,34 @@ class Residency:
             self.armed[layer] = armed
         return {layer: [slot for slot, _ in armed] for layer, armed in self.armed.items()}
 
-    def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> Wave:
-        """A layer that ran on the mapped path: every miss was computed from host memory already, so the policy's
-        decision (LayerEvent.mapped) says what to load for later forwards. Returns the loads that fit beside the
-        layer's hits (one wave), their slots taken; the caller copies them. With capture, the misses the kernels
-        wrote into armed slots are resident already, in place of the victims those slots held (no copy): they are
-        not loaded again."""
+    def mapped_cpu_share(self, layer: int, ids: np.ndarray) -> list[int]:
+        """The misses of a mapped layer with routing ids that the CPU computes (none without a CPU share): the
+        kernels' rule on the layer's slot table as the forward began (cpu_share.cpu_share_experts). Call it before
+        the layer's decide_mapped, which changes the table."""
+        if self.cpu_share_table is None:
+            return []
+        flat = ids.reshape(-1)
+        missing = flat[self.cache.table[self.layer_pos[layer], flat] < 0]
+        if not missing.size:
+            return []
+        return cpu_share_experts(np.unique(missing).tolist(), self.cpu_share_table)
+
+    def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray,
+                      cpu_share: list[int] | None = None) -> Wave:
+        """A layer that ran on the mapped path: every miss was computed already, from host memory by the GPU or,
+        with a CPU share, on the CPU (cpu_share: mapped_cpu_share's answer, made before; None: made here), so the
+        policy's decision (LayerEvent.mapped) says what to load for later forwards. Returns the loads that fit beside
+        the layer's hits (one wave), their slots taken; the caller copies them. With capture, the misses the kernels
+        wrote into armed slots (never the CPU's) are resident already, in place of the victims those slots held (no
+        copy): they are not loaded again."""
+        if cpu_share is None:
+            cpu_share = self.mapped_cpu_share(layer, ids)
         step = self.begin_layer(layer, ids, weights, mapped=True)
         misses = step.decision.load + step.decision.cpu
         if misses:
-            self._record_mapped(step, misses)
-            captured = self._take_captured(step) if self.capture_slots else []
+            on_cpu = set(cpu_share)
+            self._record_mapped(step, [e for e in misses if e not in on_cpu], cpu_share)
+            captured = self._take_captured(step, on_cpu) if self.capture_slots else []
             first = next(self.waves(step, captured))
         else:               # most layers of a denoising iteration: nothing mapped, captured or loaded
             first = Wave([], [], set(step.hits))
@@ -238,13 +262,13 @@ class Residency:
         self.end_layer(step)
         return first
 
-    def _take_captured(self, step: LayerStep) -> list[int]:
+    def _take_captured(self, step: LayerStep, on_cpu: set[int] = frozenset()) -> list[int]:
         """The misses the kernels wrote into the layer's armed slots (the kernels' rule: a slot is skipped if an
-        expert of this layer's demand holds it; the i-th miss by id takes the i-th slot left), made resident in place
-        of the victims those slots held."""
+        expert of this layer's demand holds it; the i-th miss by id the GPU read takes the i-th slot left; the CPU's
+        share, on_cpu, is never captured), made resident in place of the victims those slots held."""
         layer = step.layer
         usable = [(slot, owner) for slot, owner in self.armed.get(layer, []) if step.demand.get(owner, 0) == 0]
-        captured = sorted(step.decision.load + step.decision.cpu)[: len(usable)]
+        captured = sorted(e for e in step.decision.load + step.decision.cpu if e not in on_cpu)[: len(usable)]
         for e, (slot, owner) in zip(captured, usable):
             if owner is not None:
                 self.cache.evict(layer, owner)
@@ -260,12 +284,13 @@ class Residency:
         self._record_mapped(step, step.decision.cpu)
         return list(step.decision.cpu)
 
-    def _record_mapped(self, step: LayerStep, experts: list[int]) -> None:
-        """Misses the GPU computed from host memory, none on the CPU; a blob is read once per block of its pairs."""
+    def _record_mapped(self, step: LayerStep, experts: list[int], on_cpu: list[int] = ()) -> None:
+        """Misses the GPU computed from host memory (a blob is read once per block of its pairs) and those the CPU
+        computed inside the forward (a CPU share)."""
         rec = step.rec
         rec.experts_mapped, rec.pairs_mapped = len(experts), sum(step.demand[e] for e in experts)
         rec.bytes_mapped = sum(-(-step.demand[e] // self.mapped_rows) for e in experts) * self.expert_bytes
-        rec.experts_cpu = rec.pairs_cpu = 0
+        rec.experts_cpu, rec.pairs_cpu = len(on_cpu), sum(step.demand[e] for e in on_cpu)
 
     def end_layer(self, step: LayerStep) -> None:
         resident_after = self.cache.resident(step.layer)

@@ -54,6 +54,8 @@ def record_trace(engine, prompts, params, *, workload: dict | None = None, predi
                       "mapped_rows": engine.manager.residency.mapped_rows if engine.manager.mapped else 0,
                       # and the free slots a layer keeps for captured misses (Residency.capture_slots)
                       "capture_slots": engine.manager.residency.capture_slots if engine.manager.mapped else 0,
+                      # and whether its layers gave the CPU a share of those misses (runtime/cpu_share.py)
+                      "cpu_share": engine.manager.cpu_share,
                       "totals": stats.summary(kinds=KINDS).get("totals", {}),
                       "summary": {k: v for k, v in stats.summary().items() if k != "totals"}}
     return rec.to_trace(header), results

@@ -49,10 +49,11 @@ def decide_layer(res: Residency, layer: int, ids: np.ndarray, weights: np.ndarra
 
 class ReplayManager:
     def __init__(self, trace: Trace, budget: ExpertBudget, policy: Policy, costs: CostModel | None = None,
-                 cpu_scales: np.ndarray | None = None, mapped_rows: int = 0, capture_slots: int = 0):
+                 cpu_scales: np.ndarray | None = None, mapped_rows: int = 0, capture_slots: int = 0,
+                 cpu_share: bool = False):
         """cpu_scales: per forward, the scale of the CPU costs to plan on (the recording's, with its cost model);
         mapped_rows, capture_slots: as the live run's Residency (its kernels' block of pairs with mapped misses,
-        else 0; the free slots a layer keeps for captured misses)."""
+        else 0; the free slots a layer keeps for captured misses; whether mapped layers gave the CPU a share)."""
         model = trace.header["model"]
         self.trace, self.policy, self.budget, self.cpu_scales = trace, policy, budget, cpu_scales
         self.cache = ExpertCache(trace.layers, budget, 1, torch.float32, "meta",    # slot tables only
@@ -60,7 +61,7 @@ class ReplayManager:
         self.stats = RunStats()
         self.residency = Residency(self.cache, policy, self.stats, num_experts=model["num_experts"],
                                    top_k=model["top_k"], expert_bytes=model["expert_bytes"], costs=costs,
-                                   mapped_rows=mapped_rows, capture_slots=capture_slots)
+                                   mapped_rows=mapped_rows, capture_slots=capture_slots, cpu_share=cpu_share)
         self.residency.place_initial()
         if policy.needs_future:
             policy.set_future(future_demand(trace.layers, ((int(layer), trace.run_ids(i))
@@ -148,19 +149,21 @@ def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, 
 
 
 def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
-           mapped_rows: int | None = None, capture_slots: int | None = None, **options) -> ReplayManager:
+           mapped_rows: int | None = None, capture_slots: int | None = None, cpu_share: bool | None = None,
+           **options) -> ReplayManager:
     """Replay `trace` through a policy (name and make_policy options, or an instance) at a budget. Policies that
     plan misses on measured costs get `costs`, else the cost model of the run that recorded the trace, if any,
     with each forward's CPU scale as recorded (runtime/cpu_feedback.py). mapped_rows: the live engine's
     mapped misses (its kernels' block of pairs; 0: off), capture_slots: its free slots a layer keeps for captured
-    misses; None: as the recording ran (its header's "live")."""
-    mgr = replay_manager(trace, policy, expert_budget, costs, mapped_rows, capture_slots, **options)
+    misses, cpu_share: its mapped layers' CPU share; None: as the recording ran (its header's "live")."""
+    mgr = replay_manager(trace, policy, expert_budget, costs, mapped_rows, capture_slots, cpu_share, **options)
     mgr.replay()
     return mgr
 
 
 def replay_manager(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
-                   mapped_rows: int | None = None, capture_slots: int | None = None, **options) -> ReplayManager:
+                   mapped_rows: int | None = None, capture_slots: int | None = None, cpu_share: bool | None = None,
+                   **options) -> ReplayManager:
     """The ReplayManager that replay() runs, built but not run (to adjust its Residency first)."""
     model = trace.header["model"]
     budget = parse_budget(expert_budget, num_layers=len(trace.layers), num_experts=model["num_experts"],
@@ -175,4 +178,6 @@ def replay_manager(trace: Trace, policy: str | Policy, expert_budget, costs: Cos
         mapped_rows = int(live.get("mapped_rows", 0))
     if capture_slots is None:
         capture_slots = int(live.get("capture_slots", 0))
-    return ReplayManager(trace, budget, policy, costs, cpu_scales, mapped_rows, capture_slots)
+    if cpu_share is None:
+        cpu_share = bool(live.get("cpu_share", False))
+    return ReplayManager(trace, budget, policy, costs, cpu_scales, mapped_rows, capture_slots, cpu_share)

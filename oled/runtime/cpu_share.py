@@ -1,0 +1,40 @@
+"""The CPU's share of a mapped forward's misses: which experts the CPU computes inside the forward, by a rule the GPU's
+alignment kernel applies to the routing and the host applies to the same routing, so that neither waits for the
+other to decide.
+
+A layer of a mapped forward reads its misses (experts without a slot) from host memory over PCIe. With a CPU share
+(`EngineConfig.cpu_share`), of the m experts a layer would read, the c = min(table[m], m) of highest id are
+computed by the CPU expert kernel instead, on the layer's input rows, which the alignment stores into pinned memory
+before the routing; the GPU reads the rest, then its combine waits for the CPU's rows (oled/kernels/triton_moe.py
+`CpuShare`). The table is the planner's objective (planner.py `split_misses`) minimised for m misses of one token
+each, with nothing credited: the makespan of the GPU's reads beside the CPU's experts. It depends on m only, so the
+kernel needs no host number per forward. Which experts is fixed by id: the capture (the misses the kernels write into
+free slots) ranks the GPU's, so the CPU's are never captured; a policy may still load them afterwards, as any miss.
+
+Plain NumPy over host numbers: the live manager and the trace replayer call the same functions.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .cost_model import CostModel
+from .planner import PlanInputs, split_misses
+
+
+def cpu_share_table(costs: CostModel, num_experts: int, rows: int = 0) -> np.ndarray:
+    """[E + 1] int32: for m experts read from host memory, how many the CPU takes (the planner's best split of m
+    one-token misses at `rows` input rows; every split of the same count costs the same there)."""
+    table = np.zeros(num_experts + 1, dtype=np.int32)
+    for m in range(1, num_experts + 1):
+        _, cpu = split_misses(PlanInputs(tokens={e: 1 for e in range(m)}, rows=rows), costs)
+        table[m] = len(cpu)
+    return table
+
+
+def cpu_share_experts(misses, table: np.ndarray) -> list[int]:
+    """The CPU's experts of a layer whose distinct misses are `misses` (any order): the c = min(table[m], m) highest
+    ids, in increasing id. The alignment kernel's rule (oled/kernels/moe_align_kernel.py, CPU_SHARE)."""
+    ordered = sorted(misses)
+    m = len(ordered)
+    c = min(int(table[m]), m) if m < len(table) else 0
+    return ordered[m - c:] if c else []

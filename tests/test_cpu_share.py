@@ -1,0 +1,120 @@
+"""The CPU's share of a mapped forward's misses (EngineConfig.cpu_share, runtime/cpu_share.py): the table from the
+planner's objective, the rule by expert id, and the engine on the tiny model through Triton's interpreter (fp32):
+full's tokens with every cooperative policy, every pair a hit, a GPU read or a CPU pair, the CPU's experts never
+captured, and a trace that replays the live decisions exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oled.runtime.cost_model import CostModel
+from oled.runtime.cpu_share import cpu_share_experts, cpu_share_table
+from oled.runtime.planner import PlanInputs, plan_cost
+from tests.test_mapped import PROMPT, _generate, _llm, full_block, kernels  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+
+def costs(cpu_us: float, copy_gbps: float, call_us: float = 20.0, transfer_us: float = 10.0) -> CostModel:
+    return CostModel(expert_bytes=6 << 20, h2d_gbps=copy_gbps, cpu_seconds={1: cpu_us * 1e-6, 4: 2 * cpu_us * 1e-6},
+                     cpu_call_seconds=call_us * 1e-6, cpu_slowdown_with_copies=1.2, gpu_seconds={1: 5e-6},
+                     copy_slowdown_with_cpu=1.1, transfer_seconds=transfer_us * 1e-6)
+
+
+@pytest.mark.parametrize("cpu_us, gbps", [(150.0, 50.0), (60.0, 50.0), (400.0, 50.0), (100.0, 10.0), (1e5, 50.0)])
+def test_the_table_is_the_best_count_of_the_planners_objective(cpu_us, gbps):
+    """table[m] is the number of CPU experts that minimises the planner's objective for m one-token misses (brute
+    force over every count; ties to fewer CPU experts, as the planner breaks them); 0 for no miss."""
+    model = costs(cpu_us, gbps)
+    table = cpu_share_table(model, 40)
+    assert table.dtype == np.int32 and table.shape == (41,) and table[0] == 0
+    for m in range(1, 41):
+        tokens = {e: 1 for e in range(m)}
+        cost = [plan_cost(list(range(m - c)), list(range(m - c, m)), PlanInputs(tokens=tokens), model)
+                for c in range(m + 1)]
+        best = min(cost)
+        assert cost[table[m]] == pytest.approx(best, rel=1e-12), m
+        assert all(c > best * (1 + 1e-12) for c in cost[: table[m]]), m
+
+
+def test_the_table_follows_the_costs():
+    """A slow CPU takes nothing; a fast CPU beside a slow link takes most; a layer of one miss keeps it on the GPU
+    where the CPU's call and transfer alone cost more than the read."""
+    assert not cpu_share_table(costs(1e5, 50.0), 64).any()
+    fast = cpu_share_table(costs(20.0, 5.0), 64)
+    assert (fast[2:] >= np.arange(2, 65) // 2).all()
+    even = cpu_share_table(costs(150.0, 50.0), 64)          # a read ~126 us, a CPU expert 150 us + 30 us fixed
+    assert even[1] == 0 and 0 < even[64] < 64
+    assert (np.diff(even) >= 0).all()                      # more misses never give the CPU fewer
+
+
+def test_the_cpu_takes_the_highest_ids():
+    table = np.array([0, 0, 1, 1, 2, 9], dtype=np.int32)
+    assert cpu_share_experts([7, 3], table) == [7]
+    assert cpu_share_experts([9, 1, 4, 30], table) == [9, 30]
+    assert cpu_share_experts([2, 5, 1, 8, 6], table) == [1, 2, 5, 6, 8]    # capped at m
+    assert cpu_share_experts([], table) == [] and cpu_share_experts([4], table) == []
+
+
+@pytest.fixture
+def half_to_cpu(monkeypatch):
+    """A table giving the CPU half of every layer's misses, rounded up (on this machine the measured costs may give
+    it none): the engine and its replays read it through Residency."""
+    import oled.runtime.residency as residency
+
+    monkeypatch.setattr(residency, "cpu_share_table",
+                        lambda costs, E, rows=0: np.array([(m + 1) // 2 for m in range(E + 1)], dtype=np.int32))
+
+
+@pytest.mark.parametrize("policy,budget,options", [("oled", "0.4", {}), ("oled-coop", "0.3", {}),
+                                                   ("lru", "0.4", {"misses": "cooperative"}), ("tide", "0.5", {})])
+def test_cooperative_policies_give_the_tokens_of_full(kernels, full_block, half_to_cpu, policy, budget, options):
+    """The CPU's share changes where misses are computed, not the tokens (fp32); every pair of an iteration is a hit,
+    a GPU read or a CPU pair; the CPU's experts follow the rule on the slot tables; no combine gave up waiting."""
+    llm = _llm(policy, budget, cpu_share=True, **options)
+    manager = llm.engine.manager
+    assert manager.cpu_share and manager.mapped
+    assert _generate(llm, gen_length=8) == full_block
+    iterations = [r for r in manager.stats.records if r.kind == "iteration"]
+    assert sum(r.pairs_cpu for r in iterations) > 0 and sum(r.pairs_mapped for r in iterations) > 0
+    for r in iterations:
+        assert r.pairs_hit + r.pairs_mapped + r.pairs_cpu == r.pairs
+        assert r.experts_hit + r.experts_mapped + r.experts_cpu == r.experts
+        misses = r.experts_mapped + r.experts_cpu
+        assert r.experts_cpu == (misses + 1) // 2
+        assert r.experts_captured <= r.experts_mapped      # the CPU's experts are never captured
+    assert manager._share_errors.item() == 0
+    assert all(share.done.item() in (0, 1) for share in manager._shares.values())
+
+
+def test_a_policy_that_loads_every_miss_gets_no_share(kernels, half_to_cpu):
+    llm = _llm("lru", "0.4", cpu_share=True)
+    assert llm.engine.manager.mapped and not llm.engine.manager.cpu_share
+
+
+def test_a_combine_that_gave_up_fails_the_forward(kernels, half_to_cpu):
+    manager = _llm("oled", "0.4", cpu_share=True).engine.manager
+    manager._check_share()                                 # nothing wrong: no error
+    manager._share_errors.fill_(2)
+    with pytest.raises(RuntimeError, match="stopped waiting for the CPU's share"):
+        manager._check_share()
+    assert manager._share_errors.item() == 0
+
+
+def test_a_trace_with_a_cpu_share_replays_exactly(kernels, half_to_cpu):
+    """The trace records the share (live.cpu_share), and a replay makes the live run's decisions: every layer
+    record's counters equal, CPU pairs included; replayed without the share, its misses are all GPU reads."""
+    from oled.decoding.params import DecodeParams
+    from oled.runtime.stats import TIMINGS
+    from oled.trace import record_trace, replay
+
+    llm = _llm("oled", "0.4", cpu_share=True, capture_slots=2)
+    trace, _ = record_trace(llm.engine, [("p", llm.tokenizer.encode(PROMPT))],
+                            DecodeParams(gen_length=16, block_length=8))
+    assert trace.header["live"]["cpu_share"] is True
+    live = [{k: v for k, v in r.items() if k not in TIMINGS} for r in llm.engine.manager.stats.to_rows()]
+    replayed = replay(trace, "oled", trace.header["live"]["expert_budget"])
+    rows = [{k: v for k, v in r.items() if k not in TIMINGS} for r in replayed.stats.to_rows()]
+    assert rows == live and sum(r["pairs_cpu"] for r in rows) > 0
+    plain = replay(trace, "oled", trace.header["live"]["expert_budget"], cpu_share=False).stats.to_rows()
+    assert sum(r["pairs_cpu"] for r in plain if r["kind"] == "iteration") == 0
