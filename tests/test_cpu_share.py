@@ -48,12 +48,16 @@ def test_the_table_follows_the_costs():
     assert (np.diff(even) >= 0).all()                      # more misses never give the CPU fewer
 
 
-def test_the_cpu_takes_the_highest_ids():
+def test_the_cpu_takes_the_highest_ids_the_slots_cannot_keep():
+    """table[m] of the m misses, highest ids first, at most m and at most demanded - capacity (the misses the slots
+    cannot keep beside the layer's hits)."""
     table = np.array([0, 0, 1, 1, 2, 9], dtype=np.int32)
-    assert cpu_share_experts([7, 3], table) == [7]
-    assert cpu_share_experts([9, 1, 4, 30], table) == [9, 30]
-    assert cpu_share_experts([2, 5, 1, 8, 6], table) == [1, 2, 5, 6, 8]    # capped at m
-    assert cpu_share_experts([], table) == [] and cpu_share_experts([4], table) == []
+    assert cpu_share_experts([7, 3], table, 20, 10) == [7]
+    assert cpu_share_experts([9, 1, 4, 30], table, 20, 10) == [9, 30]
+    assert cpu_share_experts([2, 5, 1, 8, 6], table, 20, 10) == [1, 2, 5, 6, 8]    # capped at m
+    assert cpu_share_experts([], table, 20, 10) == [] and cpu_share_experts([4], table, 20, 10) == []
+    assert cpu_share_experts([9, 1, 4, 30], table, 11, 10) == [30]          # one miss the slots cannot keep
+    assert cpu_share_experts([9, 1, 4, 30], table, 10, 10) == []            # the slots keep them all
 
 
 @pytest.fixture
@@ -77,12 +81,15 @@ def test_cooperative_policies_give_the_tokens_of_full(kernels, full_block, half_
     assert _generate(llm, gen_length=8) == full_block
     iterations = [r for r in manager.stats.records if r.kind == "iteration"]
     assert sum(r.pairs_cpu for r in iterations) > 0 and sum(r.pairs_mapped for r in iterations) > 0
+    capacity = manager.cache.capacity
     for r in iterations:
         assert r.pairs_hit + r.pairs_mapped + r.pairs_cpu == r.pairs
         assert r.experts_hit + r.experts_mapped + r.experts_cpu == r.experts
         misses = r.experts_mapped + r.experts_cpu
-        assert r.experts_cpu == (misses + 1) // 2
+        assert r.experts_cpu == min((misses + 1) // 2, max(0, r.experts - capacity))
         assert r.experts_captured <= r.experts_mapped      # the CPU's experts are never captured
+        # the GPU's misses load first: a CPU expert loads only where every miss the GPU read did
+        assert r.loads <= capacity - r.experts_hit
     assert manager._share_errors.item() == 0
     assert all(share.done.item() in (0, 1) for share in manager._shares.values())
 
@@ -118,3 +125,29 @@ def test_a_trace_with_a_cpu_share_replays_exactly(kernels, half_to_cpu):
     assert rows == live and sum(r["pairs_cpu"] for r in rows) > 0
     plain = replay(trace, "oled", trace.header["live"]["expert_budget"], cpu_share=False).stats.to_rows()
     assert sum(r["pairs_cpu"] for r in plain if r["kind"] == "iteration") == 0
+
+
+def test_the_gpus_misses_load_first_and_the_cpus_are_left_out(half_to_cpu):
+    """A layer of 8 slots holding 5 experts, routed to 4 of them and to 6 misses: demanded 10 > 8 slots, so the CPU
+    takes the 2 highest-id misses (the table's 3, limited to 10 - 8); the policy loads every miss it can, most rows
+    first, into the 4 slots not holding a hit (one wave): the 4 the GPU read load, not the CPU's, even where they
+    have more rows."""
+    from oled.policies import make_policy
+    from oled.runtime.budget import ExpertBudget
+    from oled.runtime.expert_cache import ExpertCache
+    from oled.runtime.residency import Residency
+    from oled.runtime.stats import RunStats
+
+    budget = ExpertBudget(slots_per_layer=8, num_layers=1, expert_bytes=1, total_expert_bytes=16)
+    policy = make_policy("lru", misses="cooperative")
+    res = Residency(ExpertCache([1], budget, 1, None, "meta", 16), policy, RunStats(), num_experts=16, top_k=2,
+                    expert_bytes=1, costs=costs(150.0, 50.0), mapped_rows=16, cpu_share=True)
+    for e in (0, 1, 2, 3, 4):
+        res.cache.insert(1, e)
+    # tokens: hits 0-3; misses 8-13, the CPU's (12, 13) with the most rows
+    ids = np.array([[0, 12], [1, 12], [2, 13], [3, 13], [12, 8], [13, 9], [12, 10], [13, 11]])
+    assert res.mapped_cpu_share(1, ids) == [12, 13]
+    wave = res.decide_mapped(1, ids, np.ones(ids.shape, np.float32))
+    assert sorted(wave.loads) == [8, 9, 10, 11]
+    rec = res.stats.records[-1]
+    assert (rec.experts_cpu, rec.pairs_cpu, rec.experts_mapped, rec.pairs_mapped) == (2, 8, 4, 4)

@@ -11,8 +11,8 @@ from oled.runtime.cpu_share import cpu_share_experts
 from tests.test_triton_moe import SENTINEL, capture_call, fused, moe, partly_resident  # noqa: F401  (fixture)
 
 
-def share_buffers(moe, tokens, k, hidden, experts, table, dtype):
-    return moe.module.CpuShare(
+def share_buffers(moe, tokens, k, hidden, experts, table, dtype, capacity=0):
+    return moe.module.CpuShare(capacity=capacity,
         table=torch.tensor(table, dtype=torch.int32), x_rows=torch.full((tokens, hidden), SENTINEL, dtype=dtype),
         pair_on_cpu=torch.full((tokens * k,), 7, dtype=torch.int32), done=torch.ones(1, dtype=torch.int32),
         row_of_pair=torch.full((tokens * k,), -1, dtype=torch.int32),
@@ -40,7 +40,8 @@ def test_the_cpu_takes_the_highest_id_misses_and_the_combine_their_rows(moe, cpu
 
     misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
     assert len(misses) >= 3, "the test needs misses"
-    cpu = cpu_share_experts(misses, table)
+    demanded = len(set(ids.tolist()))
+    cpu = cpu_share_experts(misses, table, demanded, 0)
     assert cpu == misses[len(misses) - min(cpu_of_m, len(misses)):] if cpu_of_m else cpu == []
     on_cpu = torch.tensor([int(e) in cpu for e in ids.tolist()])
     assert torch.equal(share.pair_on_cpu, on_cpu.to(torch.int32))
@@ -76,6 +77,26 @@ def test_the_cpu_rows_are_rounded_to_the_models_dtype(moe):
     assert torch.equal(moe.module.combine_pairs(y, weights, cpu_share=share), moe.module.combine_pairs(want, weights))
 
 
+@pytest.mark.parametrize("spare", [0, 1, 2, 5])
+def test_only_misses_the_slots_cannot_keep_go_to_the_cpu(moe, spare):
+    """With capacity slots, the CPU takes at most d - capacity of the misses (d: the experts the call computes),
+    the ones the loads after the forward could not keep beside the hits: the host's rule, pair for pair."""
+    experts, hidden, inter, base, resident, tokens, k = 12, 32, 16, 3, 4, 6, 3
+    ids, store, x, held, slot_map = partly_resident(experts, hidden, inter, base, resident, tokens, k, torch.float32,
+                                                    seed=31)
+    demanded = len(set(ids.tolist()))
+    table = [m for m in range(experts + 1)]               # as many as the limit allows
+    share = share_buffers(moe, tokens, k, hidden, experts, table, torch.float32, capacity=demanded - spare)
+    weights = torch.rand(tokens, k)
+    dst = torch.full((tokens, 3 * k), -1, dtype=torch.int32)
+    fused(moe, x, ids, store[held], hidden, inter, slot_base=base, slot_map=slot_map, host=store,
+          routing=(weights, dst), cpu_share=share)
+    misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
+    cpu = cpu_share_experts(misses, table, demanded, demanded - spare)
+    assert len(cpu) == min(spare, len(misses))
+    assert torch.equal(share.pair_on_cpu, torch.tensor([int(e) in cpu for e in ids.tolist()], dtype=torch.int32))
+
+
 def test_a_missing_mark_is_counted_as_an_error(moe):
     """done still 0 when the combine runs (the host never answered): each program with a CPU pair adds 1 to errors,
     the one without does not (under the interpreter there is no wait: the host has answered before, or never)."""
@@ -105,7 +126,7 @@ def test_the_cpu_share_is_never_captured(moe):
     fused(moe, x, ids, captured_pool, hidden, inter, slot_base=base, slot_map=slot_map, host=store, capture=capture,
           routing=(weights, dst), cpu_share=share)
     misses = sorted(set(ids[slot_map[ids] < 0].tolist()))
-    gpu = [e for e in misses if e not in cpu_share_experts(misses, table)]
+    gpu = [e for e in misses if e not in cpu_share_experts(misses, table, len(set(ids.tolist())), 0)]
     assert len(gpu) < free and len(misses) > len(gpu)
     for i, e in enumerate(gpu):
         assert torch.equal(captured_pool[resident + i], store[e])

@@ -390,7 +390,7 @@ COMPILE_SM90 = textwrap.dedent("""
              "routing_ptr": "*i32", "cpu_table_ptr": "*i32", "x_ptr": "*bf16", "x_rows_ptr": "*bf16",
              "pair_on_cpu_ptr": "*i32", "done_ptr": "*i32", "num_pairs": "i32", "num_routed": "i32",
              "num_slots": "i32", "slot_base": "i32", "host_bin": "i32", "shared_bin": "i32", "num_blocks": "i32",
-             "num_capture": "i32", "x_row_stride": "i32"},
+             "num_capture": "i32", "x_row_stride": "i32", "cpu_capacity": "i32"},
             {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_S": 1024 if shared else 512 if mapped else 256,
              "BLOCK_FILL": 1024, "LOOKUP": lookup, "MAPPED": mapped, "CAPTURE": capture, "BLOCK_R": 8,
              "ROUTING": routing, "TOP_K": 8, "SHARED": shared, "CPU_SHARE": cpu_share,

@@ -56,11 +56,12 @@ def _store_routing(pair_slots_ptr, weights_ptr, routing_ptr, pair, num_routed, T
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_routed", "num_slots", "slot_base", "host_bin", "shared_bin",
-                               "num_blocks", "num_capture", "x_row_stride"])
+                               "num_blocks", "num_capture", "x_row_stride", "cpu_capacity"])
 def align_pairs_kernel(
     pair_slots_ptr, slot_map_ptr, sorted_pairs_ptr, block_slots_ptr, cursor_ptr, capture_ptr, block_capture_ptr,
     weights_ptr, routing_ptr, cpu_table_ptr, x_ptr, x_rows_ptr, pair_on_cpu_ptr, done_ptr,
     num_pairs, num_routed, num_slots, slot_base, host_bin, shared_bin, num_blocks, num_capture, x_row_stride,
+    cpu_capacity,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_FILL: tl.constexpr,
     LOOKUP: tl.constexpr, MAPPED: tl.constexpr, CAPTURE: tl.constexpr, BLOCK_R: tl.constexpr,
     ROUTING: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
@@ -92,14 +93,16 @@ def align_pairs_kernel(
     written through its mapped address: the read-back with no copy node and no concatenation.
 
     CPU_SHARE (with MAPPED and ROUTING): part of the experts read from host memory are computed on the CPU instead,
-    inside the forward. With m such experts (bins with pairs), the c = min(cpu_table[m], m) of highest id are the
-    CPU's: their bins get no rows (nothing of the call computes them, nor captures them: the capture ranks the
-    others), pair_on_cpu [num_routed] int32 gets 1 for each of their pairs (0 for every other), and the input rows
-    x [T, HIDDEN] (row stride x_row_stride) of every token with such a pair are stored into x_rows [T, HIDDEN]
-    (pinned host memory: the CPU's input). Then done [1] int32 (pinned; the host sets it once the CPU's rows are
-    written, the combine waits for it) is set to 0 by a system-scope acquire-release exchange, and only then is the
-    routing stored: a host that sees the routing sees the input rows and done's reset before it. The host learns
-    the CPU's experts from the routing by the same rule (oled/runtime/cpu_share.py).
+    inside the forward. With m such experts (bins with pairs) among d experts the call computes (every bin with
+    pairs but the shared expert's), the c = min(cpu_table[m], m, d - cpu_capacity) of highest id are the CPU's
+    (only misses the layer's cpu_capacity slots could not keep beside its hits): their bins get no rows (nothing
+    of the call computes them, nor captures them: the capture ranks the others), pair_on_cpu [num_routed] int32
+    gets 1 for each of their pairs (0 for every other), and the input rows x [T, HIDDEN] (row stride x_row_stride)
+    of every token with such a pair are stored into x_rows [T, HIDDEN] (pinned host memory: the CPU's input). Then
+    done [1] int32 (pinned; the host sets it once the CPU's rows are written, the combine waits for it) is set to 0
+    by a system-scope acquire-release exchange, and only then is the routing stored: a host that sees the routing
+    sees the input rows and done's reset before it. The host learns the CPU's experts from the routing by the same
+    rule (oled/runtime/cpu_share.py).
     """
     lane = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)
@@ -119,7 +122,9 @@ def align_pairs_kernel(
     if CPU_SHARE:
         mapped_bins = (slots >= host_bin) & (slots < shared_bin) & (counts > 0)
         num_mapped = tl.sum(mapped_bins.to(tl.int32), axis=0)
-        num_cpu = tl.minimum(tl.load(cpu_table_ptr + num_mapped), num_mapped)
+        demanded = tl.sum(((counts > 0) & (slots < shared_bin)).to(tl.int32), axis=0)
+        num_cpu = tl.minimum(tl.minimum(tl.load(cpu_table_ptr + num_mapped), num_mapped),
+                             tl.maximum(demanded - cpu_capacity, 0))
         mapped_rank = tl.cumsum(mapped_bins.to(tl.int32), axis=0) - 1
         to_cpu = mapped_bins & (mapped_rank >= num_mapped - num_cpu)
         counts = tl.where(to_cpu, 0, counts)    # no rows, no blocks, no capture

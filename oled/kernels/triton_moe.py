@@ -88,8 +88,8 @@ DEFAULT_TILES = MoeTiles()
 class CpuShare:
     """The buffers through which a mapped MoE call hands part of its misses to the CPU and takes the CPU's rows back,
     inside the forward (one set per layer and token count; the rule and the host's side: oled/runtime/cpu_share.py).
-    The alignment (align_pairs) gives the CPU the c = min(table[m], m) highest ids of the m experts it would read
-    from host memory, marks their pairs in pair_on_cpu, stores the input rows of their tokens into x_rows, resets
+    The alignment (align_pairs) gives the CPU the c = min(table[m], m, d - capacity) highest ids of the m experts it
+    would read from host memory (d: the experts the call computes; capacity: the layer's slots), marks their pairs in pair_on_cpu, stores the input rows of their tokens into x_rows, resets
     done and then stores the routing. The host computes those pairs into rows (row_of_pair[p]: the row of pair p)
     and sets done to 1; the combine (combine_pairs) waits for done, at most timeout_ns (then adds 1 to errors and
     takes whatever the rows hold: the caller must fail the forward), and takes those pairs' outputs from rows,
@@ -101,6 +101,7 @@ class CpuShare:
     row_of_pair: torch.Tensor   # [T * k] int32, pinned: the row of `rows` holding a CPU pair's output
     rows: torch.Tensor          # [R, H] fp32, pinned: the CPU's outputs
     errors: torch.Tensor        # [1] int32, pinned: combine programs that stopped waiting for done
+    capacity: int = 0           # the layer's slots: only misses beyond what they can keep beside the hits go to the CPU
     timeout_ns: int = 500_000_000
 
 
@@ -296,6 +297,7 @@ def align_pairs(pair_slots: torch.Tensor, num_slots: int, slot_base: int, block_
         num_slots, slot_base, num_slots if host_bin is None else host_bin,
         num_slots - 1 if shared_tokens else num_slots, block_slots.shape[0],
         0 if capture is None else capture.shape[0], 0 if share is None else x.stride(0),
+        0 if share is None else share.capacity,
         BLOCK_M=block_m, BLOCK_P=max(16, min(triton.next_power_of_2(num_pairs), 1024)), BLOCK_S=block_s,
         BLOCK_FILL=1024, LOOKUP=slot_map is not None, MAPPED=mapped, CAPTURE=capture is not None,
         BLOCK_R=max(2, triton.next_power_of_2(0 if capture is None else capture.shape[0])),

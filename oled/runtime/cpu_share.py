@@ -3,13 +3,15 @@ alignment kernel applies to the routing and the host applies to the same routing
 other to decide.
 
 A layer of a mapped forward reads its misses (experts without a slot) from host memory over PCIe. With a CPU share
-(`EngineConfig.cpu_share`), of the m experts a layer would read, the c = min(table[m], m) of highest id are
-computed by the CPU expert kernel instead, on the layer's input rows, which the alignment stores into pinned memory
+(`EngineConfig.cpu_share`), of the m experts a layer would read, the c = min(table[m], demanded - capacity) of
+highest id are computed by the CPU expert kernel instead (demanded: the layer's distinct experts; capacity: its
+slots; so only misses its slots could not keep), on the layer's input rows, which the alignment stores into pinned memory
 before the routing; the GPU reads the rest, then its combine waits for the CPU's rows (oled/kernels/triton_moe.py
 `CpuShare`). The table is the planner's objective (planner.py `split_misses`) minimised for m misses of one token
 each, with nothing credited: the makespan of the GPU's reads beside the CPU's experts. It depends on m only, so the
 kernel needs no host number per forward. Which experts is fixed by id: the capture (the misses the kernels write into
-free slots) ranks the GPU's, so the CPU's are never captured; a policy may still load them afterwards, as any miss.
+free slots) ranks the GPU's, so the CPU's are never captured, and the loads after the forward take the GPU's misses
+first (Residency.decide_mapped), so the CPU's are the ones left out when the slots run out.
 
 Plain NumPy over host numbers: the live manager and the trace replayer call the same functions.
 """
@@ -31,10 +33,14 @@ def cpu_share_table(costs: CostModel, num_experts: int, rows: int = 0) -> np.nda
     return table
 
 
-def cpu_share_experts(misses, table: np.ndarray) -> list[int]:
-    """The CPU's experts of a layer whose distinct misses are `misses` (any order): the c = min(table[m], m) highest
-    ids, in increasing id. The alignment kernel's rule (oled/kernels/moe_align_kernel.py, CPU_SHARE)."""
+def cpu_share_experts(misses, table: np.ndarray, demanded: int, capacity: int) -> list[int]:
+    """The CPU's experts of a layer whose distinct misses are `misses` (any order), `demanded` distinct experts in
+    all, `capacity` slots: the c highest ids, in increasing id, c = min(table[m], m, demanded - capacity). Only
+    misses the layer's slots cannot keep go to the CPU: the loads after a mapped forward fill the slots not holding
+    a hit (capacity - (demanded - m) of them), so any other CPU expert would be copied afterwards anyway, its bytes
+    crossing PCIe all the same (BENCHMARKS.md section 31). The alignment kernel's rule
+    (oled/kernels/moe_align_kernel.py, CPU_SHARE)."""
     ordered = sorted(misses)
     m = len(ordered)
-    c = min(int(table[m]), m) if m < len(table) else 0
+    c = min(int(table[m]) if m < len(table) else 0, m, max(0, demanded - capacity))
     return ordered[m - c:] if c else []

@@ -338,7 +338,7 @@ class ExpertManager:
                              done=torch.zeros(1, dtype=torch.int32, pin_memory=pin),
                              row_of_pair=torch.full((T * k,), -1, dtype=torch.int32, pin_memory=pin),
                              rows=torch.zeros(T * k, self.hidden, dtype=torch.float32, pin_memory=pin),
-                             errors=self._share_errors)
+                             errors=self._share_errors, capacity=self.cache.capacity)
             self._shares[layer, x.shape[0]] = share
         return share
 

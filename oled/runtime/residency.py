@@ -236,7 +236,8 @@ class Residency:
         missing = flat[self.cache.table[self.layer_pos[layer], flat] < 0]
         if not missing.size:
             return []
-        return cpu_share_experts(np.unique(missing).tolist(), self.cpu_share_table)
+        return cpu_share_experts(np.unique(missing).tolist(), self.cpu_share_table, len(np.unique(flat)),
+                                 self.cache.capacity)
 
     def decide_mapped(self, layer: int, ids: np.ndarray, weights: np.ndarray,
                       cpu_share: list[int] | None = None) -> Wave:
@@ -252,6 +253,9 @@ class Residency:
         misses = step.decision.load + step.decision.cpu
         if misses:
             on_cpu = set(cpu_share)
+            if on_cpu:          # the GPU's misses load first: the CPU's are those the slots cannot keep
+                load = step.decision.load
+                step.decision.load = [e for e in load if e not in on_cpu] + [e for e in load if e in on_cpu]
             self._record_mapped(step, [e for e in misses if e not in on_cpu], cpu_share)
             captured = self._take_captured(step, on_cpu) if self.capture_slots else []
             first = next(self.waves(step, captured))
