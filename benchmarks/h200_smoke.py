@@ -103,9 +103,11 @@ for policy, budget, options in SEGMENTED if graphs is not None else []:
 # too (the kernels write the misses into free slots as they read them: resident with no copy).
 # With a CPU share (--cpu-share) the CPU computes part of each layer's misses inside the forward: its kernel rounds
 # bf16 its own way, so its tokens are reported against full's, not required equal (an exception still fails).
-MAPPED = [] if not llm.engine.kernels["fused_moe"] else [("lru", "0.25", 0, {}, False), ("lru", "0.25", 4, {}, False)] + (
-    [] if QUICK else [("oled", "0.25", 0, {}, False), ("oled", "0.25", 4, {}, False), ("oled-coop", "0.4", 0, {}, False),
-                      ("oled", "0.25", 16, {}, True), ("oled-coop", "0.4", 16, {}, True), ("lru", "0.4", 16, COOP, True)])
+MAPPED = [] if not llm.engine.kernels["fused_moe"] else (
+    [("lru", "0.25", 0, {}, False), ("lru", "0.25", 4, {}, False)]
+    + ([] if QUICK else [("oled", "0.25", 0, {}, False), ("oled", "0.25", 4, {}, False),
+                         ("oled-coop", "0.4", 0, {}, False), ("oled", "0.25", 16, {}, True),
+                         ("oled-coop", "0.4", 16, {}, True), ("lru", "0.4", 16, COOP, True)]))
 for policy, budget, capture, options, share in MAPPED:
     try:
         llm.engine.cfg.mapped_misses, llm.engine.cfg.capture_slots = True, capture

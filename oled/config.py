@@ -54,9 +54,9 @@ class EngineConfig:
     # section 20); 16 faster than 4 on learned routing, with the default grid's decisions unchanged (section 28).
     capture_slots: int = 16
     # With mapped misses and a policy that computes misses on the CPU (oled, oled-coop, lru:misses=cooperative,
-    # fiddler, tide): each layer of a mapped forward gives part of the misses it would read over PCIe to the CPU
-    # kernel, which computes them beside the GPU's reads; the layer's combine waits for the CPU's rows
-    # (runtime/cpu_share.py: how many from the cost model, which by expert id)
+    # fiddler, tide): each layer of a mapped forward gives the CPU kernel some of the misses its slots could not keep,
+    # computed beside the GPU's reads; the layer's combine waits for the CPU's rows (runtime/cpu_share.py: how many
+    # from the cost model, which by expert id). Off by default: not lossless in bf16 (BENCHMARKS.md section 31)
     cpu_share: bool = False
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device

@@ -115,9 +115,9 @@ def add_execution_args(g) -> None:
                         f"default {d.capture_slots})")
     g.add_argument("--cpu-share", action=argparse.BooleanOptionalAction, default=d.cpu_share,
                    help="with mapped misses and a policy that computes misses on the CPU: each layer of a denoising "
-                        "iteration gives part of the misses it would read over PCIe to the CPU kernel, which computes "
-                        "them beside the GPU's reads (how many from the measured cost model; default "
-                        f"{'on' if d.cpu_share else 'off'})")
+                        "iteration gives the CPU kernel some of the misses its slots could not keep, computed beside "
+                        "the GPU's reads (how many from the measured cost model); the CPU rounds bf16 its own way, so "
+                        f"tokens can differ from full's (default {'on' if d.cpu_share else 'off'})")
     g.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
                    help="compute the shared expert on the main stream, after the routed experts (default: on a "
                         "second CUDA stream beside them, in the all-resident and mapped forwards)")
@@ -162,7 +162,8 @@ def engine_config(args) -> EngineConfig:
                         pin_memory=args.pin_memory, cuda_graphs=args.cuda_graphs,
                         offload_graphs=args.offload_graphs, mapped_misses=args.mapped_misses,
                         capture_slots=args.capture_slots, cpu_share=args.cpu_share,
-                        shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe, profile=getattr(args, "profile", False),
+                        shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe,
+                        profile=getattr(args, "profile", False),
                         **fused_fields(args), **cpu_kernel_fields(args))
 
 

@@ -88,12 +88,13 @@ DEFAULT_TILES = MoeTiles()
 class CpuShare:
     """The buffers through which a mapped MoE call hands part of its misses to the CPU and takes the CPU's rows back,
     inside the forward (one set per layer and token count; the rule and the host's side: oled/runtime/cpu_share.py).
-    The alignment (align_pairs) gives the CPU the c = min(table[m], m, d - capacity) highest ids of the m experts it
-    would read from host memory (d: the experts the call computes; capacity: the layer's slots), marks their pairs in pair_on_cpu, stores the input rows of their tokens into x_rows, resets
-    done and then stores the routing. The host computes those pairs into rows (row_of_pair[p]: the row of pair p)
-    and sets done to 1; the combine (combine_pairs) waits for done, at most timeout_ns (then adds 1 to errors and
-    takes whatever the rows hold: the caller must fail the forward), and takes those pairs' outputs from rows,
-    rounded to the model's dtype as a GPU pair's output is."""
+    The alignment (align_pairs) gives the CPU the c = min(table[m], m, d - capacity) highest ids of the m experts
+    it would read from host memory (d: the experts the call computes; capacity: the layer's slots), marks their
+    pairs in pair_on_cpu, stores the input rows of their tokens into x_rows, resets done and then stores the
+    routing. The host computes those pairs into rows (row_of_pair[p]: the row of pair p) and sets done to 1; the
+    combine (combine_pairs) waits for done, at most timeout_ns (then adds 1 to errors and takes whatever the rows
+    hold: the caller must fail the forward), and takes those pairs' outputs from rows, rounded to the model's dtype
+    as a GPU pair's output is."""
     table: torch.Tensor         # [E + 1] int32, on the device: CPU experts for m experts read from host memory
     x_rows: torch.Tensor        # [T, H] in x's dtype, pinned host memory: the inputs of tokens with a CPU pair
     pair_on_cpu: torch.Tensor   # [T * k] int32, on the device: 1 where a pair is computed on the CPU

@@ -3,10 +3,10 @@ alignment kernel applies to the routing and the host applies to the same routing
 other to decide.
 
 A layer of a mapped forward reads its misses (experts without a slot) from host memory over PCIe. With a CPU share
-(`EngineConfig.cpu_share`), of the m experts a layer would read, the c = min(table[m], demanded - capacity) of
+(`EngineConfig.cpu_share`), of the m experts a layer would read, the c = min(table[m], m, demanded - capacity) of
 highest id are computed by the CPU expert kernel instead (demanded: the layer's distinct experts; capacity: its
-slots; so only misses its slots could not keep), on the layer's input rows, which the alignment stores into pinned memory
-before the routing; the GPU reads the rest, then its combine waits for the CPU's rows (oled/kernels/triton_moe.py
+slots; so only misses its slots could not keep), on the layer's input rows, which the alignment stores into pinned
+memory before the routing; the GPU reads the rest, then its combine waits for the CPU's rows (oled/kernels/triton_moe.py
 `CpuShare`). The table is the planner's objective (planner.py `split_misses`) minimised for m misses of one token
 each, with nothing credited: the makespan of the GPU's reads beside the CPU's experts. It depends on m only, so the
 kernel needs no host number per forward. Which experts is fixed by id: the capture (the misses the kernels write into
