@@ -263,9 +263,7 @@ class ExpertManager:
         (the shared expert's output) when given, as the model adds it. cpu_share: the pairs of a mapped layer's CPU
         share are taken from the CPU's rows (fused kernels only)."""
         if self.fused_combine is not None:
-            if cpu_share is not None:
-                return self.fused_combine(y_pairs, weights, shared_out, cpu_share=cpu_share)
-            return self.fused_combine(y_pairs, weights, shared_out)
+            return self.fused_combine(y_pairs, weights, shared_out, cpu_share=cpu_share)
         T, k = weights.shape
         out = (y_pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(y_pairs.dtype)
         return out if shared_out is None else out + shared_out
@@ -319,7 +317,7 @@ class ExpertManager:
         if share is not None and not self.cuda:
             # no GPU to wait while the host works: the kernels ran already (interpreted), so the CPU's share is
             # computed now, before the combine reads it; _decide_mapped takes its experts from _shared_now
-            ids_h = routing.numpy()[:, : 2 * ids.shape[1]].copy().view(np.int64)
+            ids_h, _ = _routing_of(routing.numpy())
             cpu = self._shared_now[layer] = self.residency.mapped_cpu_share(layer, ids_h)
             self._finish_share(share, self._start_share(layer, share, ids_h.reshape(-1), cpu), None)
         return self.combine(y_pairs, weights, shared_out, cpu_share=share)
@@ -347,21 +345,11 @@ class ExpertManager:
         on the input rows the alignment stored, writing share.rows; None when the share is empty."""
         if not cpu:
             return None
-        sel = np.isin(flat, cpu)
-        pair_idx = np.nonzero(sel)[0]
-        order = np.argsort(flat[pair_idx], kind="stable")      # pairs grouped by expert, routing order inside
-        pair_idx = pair_idx[order]
-        pair_exp = flat[pair_idx]
-        k = flat.size // share.x_rows.shape[0]
-        job_experts, starts = np.unique(pair_exp, return_index=True)
-        offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
-        blobs = [self.store.blob(layer, int(e)) for e in job_experts]
+        pair_idx, token_idx, offsets, blobs, predicted = self._cpu_batch(layer, flat, cpu, share.x_rows.shape[0])
         n = len(pair_idx)
         submitted = time.perf_counter()
-        job = self.cpu_kernel.submit(share.x_rows, torch.from_numpy(pair_idx // k), offsets, blobs, self.inter,
-                                     share.rows[:n])
+        job = self.cpu_kernel.submit(share.x_rows, token_idx, offsets, blobs, self.inter, share.rows[:n])
         share.row_of_pair.numpy()[pair_idx] = np.arange(n, dtype=np.int32)    # read once done is set
-        predicted = self.costs.cpu_jobs_seconds(int(c) for c in np.diff(offsets.numpy())) if self.costs else 0.0
         return job, submitted, predicted
 
     def _finish_share(self, share, job, rec) -> None:
@@ -485,9 +473,7 @@ class ExpertManager:
         routing = bufs[0].numpy()
         if mapped:
             self._await_routing(routing)
-        k = routing.shape[1] // 3                 # [T, 2k] int32 halves of the int64 ids, then [T, k] float32 bits
-        ids = np.ascontiguousarray(routing[:, : 2 * k]).view(np.int64)
-        weights = np.ascontiguousarray(routing[:, 2 * k:]).view(np.float32)
+        ids, weights = _routing_of(routing)
         if mapped:
             routing.fill(MAPPED_UNSET)            # copied out: unset again for the next forward's stores
         predicted = bufs[1].numpy().copy() if has_prediction else None
@@ -559,8 +545,7 @@ class ExpertManager:
                 self.fused_swiglu(x, flat, pool, self.hidden, self.inter, y, slot_base=base, slot_map=row,
                                   host=self.store.blobs[pos] if mapped else None,
                                   capture=self.capture_table[pos] if mapped and self.capture_table is not None
-                                  else None, routing=routing, shared=blob,
-                                  **({"cpu_share": cpu_share} if cpu_share is not None else {}))
+                                  else None, routing=routing, shared=blob, cpu_share=cpu_share)
         else:
             self._grouped(layer, x, row.index_select(0, flat), y_pairs, n_valid=None)
         if blob is not None:
@@ -643,21 +628,25 @@ class ExpertManager:
             self.layer_done[layer] = done
 
     # --------------------------------------------------------------------------------------------------- CPU
-    def _start_cpu(self, layer: int, x_host: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
-        sel = np.isin(flat, cpu_experts)
-        pair_idx = np.nonzero(sel)[0]
+    def _cpu_batch(self, layer: int, flat: np.ndarray, cpu_experts: list[int], tokens: int):
+        """A CPU job's batch: the pairs of cpu_experts among the routing's ids `flat` (token-major, `tokens` rows),
+        grouped by expert with routing order inside. Returns (pair indices, their token indices, the jobs' offsets,
+        the experts' blobs, the cost model's seconds for it (0 without one))."""
+        pair_idx = np.nonzero(np.isin(flat, cpu_experts))[0]
+        pair_idx = pair_idx[np.argsort(flat[pair_idx], kind="stable")]
         pair_exp = flat[pair_idx]
-        order = np.argsort(pair_exp, kind="stable")            # group pairs by expert, routing order inside
-        pair_idx, pair_exp = pair_idx[order], pair_exp[order]
-        k = flat.size // x_host.shape[0]                         # pairs are token-major: T tokens x k experts
-        token_idx = torch.from_numpy(pair_idx // k)
         job_experts, starts = np.unique(pair_exp, return_index=True)
         offsets = torch.from_numpy(np.append(starts, len(pair_exp)).astype(np.int64))
         predicted = 0.0
         if self.costs is not None:
             predicted = self.costs.cpu_jobs_seconds(int(n) for n in np.diff(offsets.numpy()))
-            predicted *= self.costs.cpu_slowdown_with_copies if copying else 1.0
         blobs = [self.store.blob(layer, int(e)) for e in job_experts]
+        return pair_idx, torch.from_numpy(pair_idx // (flat.size // tokens)), offsets, blobs, predicted
+
+    def _start_cpu(self, layer: int, x_host: torch.Tensor, flat: np.ndarray, cpu_experts: list[int], copying: bool):
+        pair_idx, token_idx, offsets, blobs, predicted = self._cpu_batch(layer, flat, cpu_experts, x_host.shape[0])
+        if self.costs is not None and copying:
+            predicted *= self.costs.cpu_slowdown_with_copies
         out = self._staging("out", (len(pair_idx), self.hidden), torch.float32)
         submitted = time.perf_counter()
         # started on the kernel's own threads: this thread goes on with the layer's copies and GPU work
@@ -932,6 +921,13 @@ class ExpertManager:
         """Wait for a CPU job that an exception left in flight: it reads and writes this manager's buffers."""
         if self.cpu_kernel is not None:
             self.cpu_kernel.drain()
+
+
+def _routing_of(routing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A routing buffer's ids [T, k] int64 and weights [T, k] fp32, as fresh arrays: [T, 2k] int32 halves of the
+    ids, then [T, k] fp32 bits (ExpertManager._routing_buffer's layout)."""
+    k = routing.shape[1] // 3
+    return routing[:, : 2 * k].copy().view(np.int64), routing[:, 2 * k:].copy().view(np.float32)
 
 
 class _Null:

@@ -63,9 +63,11 @@ class Residency:
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
         self.forward: ForwardInfo | None = None
-        # with a CPU share: for m misses of a mapped layer, how many the CPU computes (the kernels read it too)
+        # with a CPU share: for m misses of a mapped layer, how many the CPU computes (the kernels read it too); none
+        # where every expert stays resident (nothing is ever mapped: 0.13 s of start-up saved at 256 experts)
         self.cpu_share_table = (cpu_share_table(costs, num_experts)
-                                if cpu_share and mapped_rows and policy.uses_cpu and costs is not None else None)
+                                if cpu_share and mapped_rows and policy.uses_cpu and costs is not None
+                                and not self.all_resident else None)
         self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
                                    top_k=top_k, expert_bytes=expert_bytes, costs=costs))
