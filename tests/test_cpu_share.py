@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from oled.runtime.cost_model import CostModel
-from oled.runtime.cpu_share import cpu_share_experts, cpu_share_table
+from oled.runtime.cpu_share import ShareHold, cpu_share_experts, cpu_share_table
 from oled.runtime.planner import PlanInputs, plan_cost
 from tests.test_mapped import PROMPT, _generate, _llm, full_block, kernels  # noqa: F401  (fixtures)
 
@@ -59,6 +59,19 @@ def test_the_cpu_takes_the_highest_ids_the_slots_cannot_keep():
     assert cpu_share_experts([9, 1, 4, 30], table, 11, 10) == [30]          # one miss the slots cannot keep
     assert cpu_share_experts([9, 1, 4, 30], table, 10, 10) == []            # the slots keep them all
 
+
+
+def test_the_workers_are_held_through_a_forward_only_after_one_with_cpu_work():
+    hold = ShareHold()
+    assert hold.begin()                                 # no forward yet: held, as a forward with a share
+    assert not hold.layer([]) and not hold.layer([3])   # held already: nothing to do at its first CPU layer
+    assert hold.end()                                   # released
+    assert hold.begin() and not hold.layer([]) and hold.end()
+    assert not hold.begin()                             # the last forward gave the CPU nothing: not held
+    assert not hold.layer([]) and hold.layer([5, 9])    # until its first layer with a share, then held on
+    assert not hold.layer([1]) and hold.end()
+    assert hold.begin() and hold.end()
+    assert not hold.begin() and not hold.layer([]) and not hold.end()   # nothing held, nothing to release
 
 @pytest.fixture
 def half_to_cpu(monkeypatch):
@@ -151,3 +164,31 @@ def test_the_gpus_misses_load_first_and_the_cpus_are_left_out(half_to_cpu):
     assert sorted(wave.loads) == [8, 9, 10, 11]
     rec = res.stats.records[-1]
     assert (rec.experts_cpu, rec.pairs_cpu, rec.experts_mapped, rec.pairs_mapped) == (2, 8, 4, 4)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_engine_holds_the_workers_after_forwards_with_cpu_work(kernels, monkeypatch, share):
+    """The manager's ShareHold sees every mapped forward: with a share in every layer with misses, each forward
+    after one with CPU work is held; with a table that gives the CPU nothing, only the first."""
+    import oled.runtime.residency as residency
+
+    monkeypatch.setattr(residency, "cpu_share_table", lambda costs, E, rows=0: np.array(
+        [(m + 1) // 2 if share else 0 for m in range(E + 1)], dtype=np.int32))
+    llm = _llm("oled", "0.4", cpu_share=True)
+    manager = llm.engine.manager
+    seen = []                                           # per mapped forward: [held from its start, a CPU layer]
+    begin, layer = manager._share_hold.begin, manager._share_hold.layer
+
+    def begin_logged():
+        seen.append([begin(), False])
+        return seen[-1][0]
+
+    def layer_logged(cpu):
+        seen[-1][1] |= bool(cpu)
+        return layer(cpu)
+    monkeypatch.setattr(manager._share_hold, "begin", begin_logged)
+    monkeypatch.setattr(manager._share_hold, "layer", layer_logged)
+    _generate(llm, gen_length=8)
+    assert len(seen) > 2 and seen[0][0]
+    assert [held for held, _ in seen[1:]] == [cpu for _, cpu in seen[:-1]]
+    assert any(cpu for _, cpu in seen) == share

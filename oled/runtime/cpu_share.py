@@ -44,3 +44,37 @@ def cpu_share_experts(misses, table: np.ndarray, demanded: int, capacity: int) -
     m = len(ordered)
     c = min(int(table[m]) if m < len(table) else 0, m, max(0, demanded - capacity))
     return ordered[m - c:] if c else []
+
+
+class ShareHold:
+    """Whether the CPU kernel's workers poll through a mapped forward with a CPU share. Polling workers slow the main
+    thread's Python (the policy's decisions), so they are held through a forward only if the last mapped forward gave
+    the CPU work; in a forward not held, the first layer with a share holds them from then on (that layer's job pays
+    their wake-up). At a budget where no layer gives the CPU anything, nothing polls (at 60 % on learned routing the
+    share cost 1.05-1.21 x with no CPU work while it held them through every forward, BENCHMARKS.md section 32)."""
+
+    def __init__(self) -> None:
+        self.expected = True        # the last mapped forward gave the CPU work (or none ran yet)
+        self.held = False           # the workers are held through the current forward
+        self._shared = False        # a layer of the current forward gave the CPU work
+
+    def begin(self) -> bool:
+        """A mapped forward is queued: True to hold the workers through it."""
+        self._shared, self.held = False, self.expected
+        return self.held
+
+    def layer(self, cpu: list[int]) -> bool:
+        """A layer's share (its CPU experts): True to hold the workers from now on (its job is the forward's first
+        and they are not held)."""
+        if not cpu:
+            return False
+        self._shared = True
+        if self.held:
+            return False
+        self.held = True
+        return True
+
+    def end(self) -> bool:
+        """The forward's decisions are made: True to release a hold."""
+        held, self.held, self.expected = self.held, False, self._shared
+        return held

@@ -25,6 +25,7 @@ from ..policies.base import ForwardInfo, IterationEvent, Policy
 from .budget import ExpertBudget
 from .cost_model import CostModel
 from .cpu_feedback import CpuCostFeedback
+from .cpu_share import ShareHold
 from .expert_cache import ExpertCache
 from .grouped import grouped_swiglu
 from .residency import LayerStep, Residency, Wave
@@ -154,6 +155,7 @@ class ExpertManager:
         self._shares: dict[tuple[int, int], object] = {}
         self._share_errors = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) if self.cpu_share else None
         self._shared_now: dict[int, list[int]] = {}  # without CUDA: layer -> the CPU experts served inside run_mapped
+        self._share_hold = ShareHold()
         capture = self.residency.capture_slots if self.mapped else 0
         E = self.config.num_experts
         # The device state a forward reads, in one tensor so that one copy writes it between forwards
@@ -701,10 +703,10 @@ class ExpertManager:
             self.flush()
 
     def launched(self) -> None:
-        """The loop has queued a forward: do the host work queued before it. A mapped forward with a CPU share
-        leaves it to _decide_mapped, which does it once the first layer's CPU job is under way: the GPU waits for
-        that job's rows, not for the policy's bookkeeping."""
-        if self._mapped_now and self.cpu_share and self.cuda:
+        """The loop has queued a forward: do the host work queued before it. A mapped forward whose CPU share holds
+        the workers (ShareHold) leaves it to _decide_mapped, which does it once the first layer's CPU job is under
+        way: the GPU waits for that job's rows, not for the policy's bookkeeping."""
+        if self._mapped_now and self._share_hold.held and self.cuda:
             return
         self.flush()
 
@@ -725,8 +727,8 @@ class ExpertManager:
             if not (self._prepared and self._mapped_now):
                 self._prepare_device(self._mapped_now)
             self._prepared = False
-        if self._mapped_now and self.cpu_share and self.cuda:
-            self.cpu_kernel.hold(FORWARD_HOLD_S)  # the workers awake when the first layer's share arrives
+        if self._mapped_now and self.cpu_share and self._share_hold.begin() and self.cuda:
+            self.cpu_kernel.hold(FORWARD_HOLD_S)  # awake when the first layer's share arrives, if the last had one
         if self._overlap or self._mapped_now:
             self._deferred.append((self._start_forward, info))
         else:
@@ -827,12 +829,12 @@ class ExpertManager:
             # the CPU's share first: the GPU waits for its rows in this layer's combine
             cpu, job, share = None, None, None
             if self.cpu_share:
+                cpu = self.residency.mapped_cpu_share(layer, ids_h) if self.cuda else self._shared_now.pop(layer)
+                if self._share_hold.layer(cpu) and self.cuda:
+                    self.cpu_kernel.hold(FORWARD_HOLD_S)     # woken for this job, polling on for the next layers'
                 if self.cuda:
-                    cpu = self.residency.mapped_cpu_share(layer, ids_h)
                     share = self._shares[layer, tokens]
                     job = self._start_share(layer, share, ids_h.reshape(-1), cpu)
-                else:
-                    cpu = self._shared_now.pop(layer)
             if self._deferred:                    # the bookkeeping launched() left (CPU share), while the job runs
                 self.flush()
             if held is not None:
@@ -860,8 +862,9 @@ class ExpertManager:
         """After a mapped forward with a CPU share (its decisions made and the next forward's state queued): the
         workers may sleep again, and once the forward is done, a combine that stopped waiting for the CPU's rows
         (CpuShare.timeout_ns) fails it, since its outputs are then wrong (the loop reads them only after this)."""
-        if self.cuda:
+        if self._share_hold.end() and self.cuda:
             self.cpu_kernel.hold(0.0)
+        if self.cuda:
             self._forward_end.synchronize()
         errors = self._share_errors.numpy()
         if errors[0]:
