@@ -500,6 +500,41 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
     assert all(0 <= r["wasted_fraction"] <= 1 for r in rows.values())
 
 
+def test_the_token_prior_and_the_rows_behind_the_misses():
+    """benchmarks/ahead_coverage.py on a trace that carries the iterations' tokens: each row's input token is the
+    prompt's or the request's output token once committed (where the output reaches), else the mask id; the token prior's union with recent
+    names at least what either names and fetches at most both; every miss is used by some kind of row."""
+    import oled
+    from oled.decoding.params import DecodeParams
+    from oled.trace import record_trace
+
+    llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full")
+    prompt = llm.tokenizer.encode(PROMPT)
+    trace, _ = record_trace(llm.engine, [("p", prompt)], DecodeParams(gen_length=16, block_length=8))
+    ahead = benchmark_script("ahead_coverage")
+    mask = int(trace.header["model"]["mask_token_id"])
+    output = trace.output_ids(0)
+    tokens = ahead.row_tokens(trace)
+    assert len(tokens) == len(trace.fwd_kind)
+    committed = 0
+    for f, rows in enumerate(tokens):
+        for p, tok in enumerate(rows.tolist(), int(trace.fwd_start[f])):
+            if p < len(prompt):
+                assert tok == prompt[p]
+            elif tok != mask and p - len(prompt) < len(output):    # (a last block may run past the output)
+                assert tok == output[p - len(prompt)]
+                committed += 1
+    assert committed > 0 and any((rows == mask).any() for rows in tokens)
+    rows = {r["prediction"]: r for r in ahead.coverage(trace, "lru", "0.3", 2, [1, 2], expert_bytes=10**9)}
+    assert list(rows) == ["recent:1", "recent:2", "block", "both", "token", "token+recent"]
+    token, recent, union = rows["token"], rows["recent:2"], rows["token+recent"]
+    assert token["misses_per_iteration"] > 0
+    assert max(token["named_fraction"], recent["named_fraction"]) <= union["named_fraction"] <= 1
+    assert union["fetched_per_iteration"] <= token["fetched_per_iteration"] + recent["fetched_per_iteration"] + 1e-9
+    used = [token[f"misses_used_by_{k}_rows"] for k in ("masked", "new_token", "unchanged")]
+    assert all(0 <= u <= 1 for u in used) and sum(used) >= 1 - 1e-9
+
+
 def test_the_miss_bursts_on_the_bundled_trace(capsys):
     """benchmarks/miss_bursts.py: every denoising iteration is in one step group, the groups' bytes are the replay's
     mapped bytes and their shares add up to one, step 0 is each block's first iteration, and the heaviest tenth of
