@@ -51,7 +51,8 @@ class ShareHold:
     thread's Python (the policy's decisions), so they are held through a forward only if the last mapped forward gave
     the CPU work; in a forward not held, the first layer with a share holds them from then on (that layer's job pays
     their wake-up). At a budget where no layer gives the CPU anything, nothing polls (at 60 % on learned routing the
-    share cost 1.05-1.21 x with no CPU work while it held them through every forward, BENCHMARKS.md section 32)."""
+    share cost 1.05-1.20 x against its process's `full`, with no CPU work, while it held them through every forward;
+    BENCHMARKS.md section 32)."""
 
     def __init__(self) -> None:
         self.expected = True        # the last mapped forward gave the CPU work (or none ran yet)
