@@ -99,8 +99,8 @@ def coverage(trace: Trace, policy: str, budget: str, capture_slots: int, windows
             added[0] = max(added[0], run)
             rows, start = tokens[forward], int(trace.fwd_start[forward])
             before = last_rows.get(layer, {})
-            changed_rows = [r for r, (p, tok) in enumerate(enumerate(rows.tolist(), start))
-                            if tok != mask and before.get(p, tok) != tok]
+            changed_rows = [r for r, tok in enumerate(rows.tolist())
+                            if tok != mask and before.get(start + r, tok) != tok]
             last_rows[layer] = dict(enumerate(rows.tolist(), start))
         misses = need - resident
         past = history.setdefault(layer, deque(maxlen=widest))

@@ -828,13 +828,15 @@ class ExpertManager:
             ids_h, weights_h, _, _ = self._read_routing(layer, tokens, mapped=True)
             # the CPU's share first: the GPU waits for its rows in this layer's combine
             cpu, job, share = None, None, None
-            if self.cpu_share:
-                cpu = self.residency.mapped_cpu_share(layer, ids_h) if self.cuda else self._shared_now.pop(layer)
-                if self._share_hold.layer(cpu) and self.cuda:
+            if self.cpu_share and self.cuda:
+                cpu = self.residency.mapped_cpu_share(layer, ids_h)
+                if self._share_hold.layer(cpu):
                     self.cpu_kernel.hold(FORWARD_HOLD_S)     # woken for this job, polling on for the next layers'
-                if self.cuda:
-                    share = self._shares[layer, tokens]
-                    job = self._start_share(layer, share, ids_h.reshape(-1), cpu)
+                share = self._shares[layer, tokens]
+                job = self._start_share(layer, share, ids_h.reshape(-1), cpu)
+            elif self.cpu_share:                  # served inside run_mapped already (no GPU to wait)
+                cpu = self._shared_now.pop(layer)
+                self._share_hold.layer(cpu)
             if self._deferred:                    # the bookkeeping launched() left (CPU share), while the job runs
                 self.flush()
             if held is not None:
