@@ -14,7 +14,7 @@ activity (kernel or copy) and the next, summed per forward by the pair of names 
 a forward is pinned to what comes before and after it.
 
     python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--profile]
-        [--routing TRACE] [--out FILE.json]
+        [--routing TRACE] [--model DIR|bundled] [--cpu-share] [--out FILE.json]
 
 --routing TRACE decodes the trace's first request with its routing and commits replayed (as `oled bench --routing`,
 oled/trace/source.py) on the preset's real-size experts: learned routing's misses, split the same way.
@@ -65,7 +65,8 @@ def measure(engine, decode, label: str) -> dict:
         setattr(m, name, stamped)
 
     # the host's time inside the steps of a mapped forward's decisions, summed over the generate
-    summed = {"_await_routing": m, "_copy": m, "_prepare_device": m, "decide_mapped": m.residency}
+    summed = {"_await_routing": m, "_copy": m, "_prepare_device": m, "decide_mapped": m.residency,
+              "_start_share": m, "_finish_share": m}      # the CPU's share: its job submitted, then waited for
     host_sums = dict.fromkeys(summed, 0.0)
     for name, owner in summed.items():
         def summing(*a, _inner=getattr(owner, name), _name=name, **k):
@@ -225,6 +226,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="full@1.0,oled@0.4")
     ap.add_argument("--preset", default="llada2-mini")
+    ap.add_argument("--model", help="a checkpoint directory (\"bundled\": the bundled tiny model) instead of --preset")
+    ap.add_argument("--cpu-share", action="store_true", help="EngineConfig.cpu_share on (the CPU's share of the "
+                    "mapped forwards' misses)")
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--workload", default="code", help="decode the first prompt of this workload")
     ap.add_argument("--profile", action="store_true", help="the iterations' kernels under torch.profiler, after the timing")
@@ -243,7 +247,9 @@ def main(argv=None) -> int:
     from oled.decoding.params import DecodeParams
     from oled.engine import Engine
 
-    engine = Engine(EngineConfig(random_weights=args.preset, policy="full", expert_budget="1.0",
+    weights = ({"model": None if args.model == "bundled" else args.model} if args.model
+               else {"random_weights": args.preset})
+    engine = Engine(EngineConfig(**weights, policy="full", expert_budget="1.0", cpu_share=args.cpu_share,
                                  shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe))
     if args.routing:
         decode = replayed_request(engine, args.routing)

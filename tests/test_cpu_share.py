@@ -4,6 +4,8 @@ full's tokens with every cooperative policy, every pair a hit, a GPU read or a C
 captured, and a trace that replays the live decisions exactly."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -46,6 +48,26 @@ def test_the_table_follows_the_costs():
     even = cpu_share_table(costs(150.0, 50.0), 64)          # a read ~126 us, a CPU expert 150 us + 30 us fixed
     assert even[1] == 0 and 0 < even[64] < 64
     assert (np.diff(even) >= 0).all()                      # more misses never give the CPU fewer
+
+
+def test_the_table_prices_a_miss_as_the_kernels_read_it():
+    """On the mapped path a miss costs the GPU its read inside the kernels (CostModel.mapped_reads), not a copy and a
+    computation: where that read is cheap (small experts, whose copies pay a fixed cost a kernel's read does not)
+    the CPU takes nothing that the copy's price gave it; where it is as dear as the copy, the same counts; not
+    measured, the copy's price stands."""
+    slow_copies = costs(20.0, 5.0)                            # a 6 MiB copy 1.26 ms, a CPU expert 20 us
+    assert cpu_share_table(slow_copies, 64)[2:].all()
+    cheap = replace(slow_copies, mapped_seconds=2e-6)         # read inside the kernels in 2 us
+    view = cheap.mapped_reads()
+    assert view.load_seconds(3) == pytest.approx(6e-6) and view.gpu_expert_seconds(1) == 0.0
+    assert view.cpu_seconds == cheap.cpu_seconds and view.transfer_seconds == cheap.transfer_seconds
+    assert not cpu_share_table(view, 64).any()
+    even = replace(costs(150.0, 50.0), gpu_seconds={})
+    as_copied = replace(even, mapped_seconds=even.load_seconds(1))
+    assert 0 < cpu_share_table(even, 64)[64] < 64
+    assert np.array_equal(cpu_share_table(as_copied.mapped_reads(), 64), cpu_share_table(even, 64))
+    assert slow_copies.mapped_reads() is slow_copies
+    assert CostModel.from_dict(cheap.to_dict()) == cheap       # the measured term survives the cache file
 
 
 def test_the_cpu_takes_the_highest_ids_the_slots_cannot_keep():

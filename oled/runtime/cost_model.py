@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("oled")
 
-COST_MODEL_VERSION = 11  # part of the cache key: a model measured by older code is measured again
+COST_MODEL_VERSION = 12  # part of the cache key: a model measured by older code is measured again
 
 
 def _per_token_count(table: dict[int, float], keys: list[int], tokens: int) -> float:
@@ -52,6 +52,8 @@ class CostModel:
     transfer_seconds: float = 0.0         # fixed time of a layer's activation round trip to the CPU path
     row_bytes: int = 0                    # bytes of one token's input sent to the host
     pair_bytes: int = 0                   # bytes of one (token, expert) output sent back
+    mapped_seconds: float = 0.0           # GPU seconds a miss adds to the fused MoE kernels that read it from host
+                                          # memory (one token, compute included; 0: not measured)
     source: str = "measured"
 
     def load_seconds(self, n_experts: int) -> float:
@@ -116,6 +118,17 @@ class CostModel:
     def _gpu_memo(self) -> dict[int, float]:
         return {}
 
+    def mapped_reads(self) -> "CostModel":
+        """This model as the mapped path's GPU side sees a miss: read inside the MoE kernels (mapped_seconds an
+        expert, its compute included) rather than copied, then computed; itself where mapped_seconds was not
+        measured. A copy pays a fixed cost per blob that a kernel's read does not: the bundled model's 48 KiB experts
+        copy at 13.9 GB/s, and with the copy's cost a CPU share of its misses looked worth it where it ran the model
+        3-7 x slower (BENCHMARKS.md section 32)."""
+        if self.mapped_seconds <= 0:
+            return self
+        return replace(self, h2d_gbps=self.expert_bytes / self.mapped_seconds / 1e9, gpu_seconds={},
+                       source=f"{self.source}, misses read mapped")
+
     def cpu_jobs_seconds(self, tokens) -> float:
         """One kernel call over experts with these token counts (0 for none)."""
         tokens = list(tokens)
@@ -141,11 +154,13 @@ class CostModel:
     def describe(self) -> str:
         cpu = ", ".join(f"{self.cpu_seconds[t] * 1e6:.0f}" for t in sorted(self.cpu_seconds))
         gpu = ", ".join(f"{self.gpu_seconds[t] * 1e6:.1f}" for t in sorted(self.gpu_seconds)) or "not measured"
+        mapped = f"{self.mapped_seconds * 1e6:.1f} µs/expert" if self.mapped_seconds > 0 else "not measured"
         return (f"load {self.load_seconds(1) * 1e6:.0f} µs/expert ({self.h2d_gbps:.1f} GB/s), x"
                 f"{self.copy_slowdown_with_cpu:.2f} beside CPU jobs; CPU {cpu} µs/expert at "
                 f"{'/'.join(map(str, sorted(self.cpu_seconds)))} tokens + {self.cpu_call_seconds * 1e6:.0f} µs per "
                 f"call + {self.transfer_seconds * 1e6:.0f} µs activation round trip, x"
-                f"{self.cpu_slowdown_with_copies:.2f} while copying; GPU {gpu} µs/expert ({self.source})")
+                f"{self.cpu_slowdown_with_copies:.2f} while copying; GPU {gpu} µs/expert; mapped read {mapped} "
+                f"({self.source})")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -243,10 +258,9 @@ def h2d_gbps(store, device, n: int | None = None) -> float:
 
 def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int = 20, rounds: int = 3) -> float:
     """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
-    expert. On the GPU the call is captured in a CUDA graph and its replays are timed with CUDA events (median of
-    rounds of back-to-back replays): the engine replays it in a graph, and timing eager calls measures the host's
-    launches instead: 26-28 µs per expert at every token count on the H200, against 5.6-7.2 µs from replays
-    (BENCHMARKS.md section 14)."""
+    expert. On the GPU the call is captured in a CUDA graph and its replays are timed (_replay_seconds): the engine
+    replays it in a graph, and timing eager calls measures the host's launches instead: 26-28 µs per expert at every
+    token count on the H200, against 5.6-7.2 µs from replays (BENCHMARKS.md section 14)."""
     from .grouped import grouped_swiglu
 
     layer, n = store.layers[0], min(n_experts, store.config.num_experts)
@@ -266,7 +280,13 @@ def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int 
             call()
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2] / n
-    side = torch.cuda.Stream(device)            # warm-up and capture off the default stream, as capture requires
+    return _replay_seconds(call, device, repeats, rounds) / n
+
+
+def _replay_seconds(call, device, repeats: int, rounds: int) -> float:
+    """Seconds of one call on the GPU: captured in a CUDA graph (after two warm-up calls on a side stream, as capture
+    requires), its replays timed with CUDA events, the median of `rounds` rounds of `repeats` back-to-back replays."""
+    side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         call()
@@ -286,7 +306,33 @@ def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int 
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / repeats)
     del graph
-    return sorted(times)[len(times) // 2] / n
+    return sorted(times)[len(times) // 2]
+
+
+def _time_mapped_read(store, device, n: int = 8, repeats: int = 10, rounds: int = 3) -> float:
+    """Seconds a miss adds to the fused MoE kernels that read it from the store's pinned blobs (the mapped path, one
+    token an expert): the kernels over 2n such experts less over n, per expert, each timed by graph replays
+    (_replay_seconds). The difference leaves out the launches and a call's fixed time, which the layer's hits pay
+    anyway; 0.0 where the kernels cannot read host memory (no CUDA, unpinned blobs, no Triton). The same experts
+    are read at every replay: an expert small enough stays in the GPU's L2 between them, as it would between the
+    engine's forwards."""
+    if torch.device(device).type != "cuda" or not store.pinned:
+        return 0.0
+    try:
+        from ..kernels.triton_moe import fused_swiglu_pairs
+    except ImportError:
+        return 0.0
+    n = max(1, min(n, store.config.num_experts // 2))
+    pool = torch.empty(1, store.numel, dtype=store.dtype, device=device)   # no pair reads it
+
+    def seconds(m: int) -> float:
+        x = torch.randn(m, store.hidden, device=device).to(store.dtype)
+        pair_slots = torch.arange(1, m + 1, device=device)      # slot 1 + e: expert e's blob in host memory
+        out = torch.empty(m, store.hidden, dtype=store.dtype, device=device)
+        return _replay_seconds(lambda: fused_swiglu_pairs(x, pair_slots, pool, store.hidden, store.intermediate,
+                                                          out, host=store.blobs[0]), device, repeats, rounds)
+
+    return max(0.0, (seconds(2 * n) - seconds(n)) / n)
 
 
 def _time_transfer(store, device, rows: int, pairs: int, repeats: int = 9) -> float:
@@ -437,6 +483,7 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     cpu = monotone_in_tokens({t: max(s - back_to_back / jobs, 0.1 * s)
                               for t, s in ((t, min(r[t] for r in rounds)) for t in token_counts)})
     gpu = {t: _time_grouped(store, device, t) for t in token_counts}
+    mapped = _time_mapped_read(store, device)
     h2d = _copy_rate_of_two(h2d_first, h2d_gbps(store, device))
     rows, pairs = store.config.block_length, store.config.block_length * store.config.top_k
     row_bytes = store.hidden * torch.empty((), dtype=store.dtype).element_size()
@@ -450,7 +497,7 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     return CostModel(expert_bytes=store.expert_bytes, h2d_gbps=h2d, cpu_seconds=cpu, cpu_call_seconds=call,
                      cpu_slowdown_with_copies=cpu_slowdown, gpu_seconds=gpu, copy_slowdown_with_cpu=copy_slowdown,
                      transfer_seconds=transfer, row_bytes=row_bytes, pair_bytes=store.hidden * 4,
-                     source=f"measured {time.strftime('%Y-%m-%d')}")
+                     mapped_seconds=mapped, source=f"measured {time.strftime('%Y-%m-%d')}")
 
 
 def cache_key(store, kernel, device) -> str:

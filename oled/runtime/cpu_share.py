@@ -8,8 +8,9 @@ highest id are computed by the CPU expert kernel instead (demanded: the layer's 
 slots; so only misses its slots could not keep), on the layer's input rows, which the alignment stores into pinned
 memory before the routing; the GPU reads the rest, then its combine waits for the CPU's rows (oled/kernels/triton_moe.py
 `CpuShare`). The table is the planner's objective (planner.py `split_misses`) minimised for m misses of one token
-each, with nothing credited: the makespan of the GPU's reads beside the CPU's experts. It depends on m only, so the
-kernel needs no host number per forward. Which experts is fixed by id: the capture (the misses the kernels write into
+each, with nothing credited, over the cost model's mapped reads (CostModel.mapped_reads: a miss costs the GPU its
+read inside the kernels, measured, not a copy): the makespan of the GPU's reads beside the CPU's experts. It depends
+on m only, so the kernel needs no host number per forward. Which experts is fixed by id: the capture (the misses the kernels write into
 free slots) ranks the GPU's, so the CPU's are never captured, and the loads after the forward take the GPU's misses
 first (Residency.decide_mapped), so the CPU's are the ones left out when the slots run out.
 
@@ -25,7 +26,8 @@ from .planner import PlanInputs, split_misses
 
 def cpu_share_table(costs: CostModel, num_experts: int, rows: int = 0) -> np.ndarray:
     """[E + 1] int32: for m experts read from host memory, how many the CPU takes (the planner's best split of m
-    one-token misses at `rows` input rows; every split of the same count costs the same there)."""
+    one-token misses at `rows` input rows, `costs` loading a miss as the GPU would: CostModel.mapped_reads for the
+    mapped path; every split of the same count costs the same there)."""
     table = np.zeros(num_experts + 1, dtype=np.int32)
     for m in range(1, num_experts + 1):
         _, cpu = split_misses(PlanInputs(tokens={e: 1 for e in range(m)}, rows=rows), costs)

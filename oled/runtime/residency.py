@@ -65,7 +65,7 @@ class Residency:
         self.forward: ForwardInfo | None = None
         # with a CPU share: for m misses of a mapped layer, how many the CPU computes (the kernels read it too); none
         # where every expert stays resident (nothing is ever mapped: 0.13 s of start-up saved at 256 experts)
-        self.cpu_share_table = (cpu_share_table(costs, num_experts)
+        self.cpu_share_table = (cpu_share_table(costs.mapped_reads(), num_experts)
                                 if cpu_share and mapped_rows and policy.uses_cpu and costs is not None
                                 and not self.all_resident else None)
         self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
