@@ -13,8 +13,8 @@ kernels by GPU time per forward, so that a longer forward splits by kernel; and 
 activity (kernel or copy) and the next, summed per forward by the pair of names around it, so that idle time inside
 a forward is pinned to what comes before and after it.
 
-    python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4] [--workload code --gen-length 256] [--profile]
-        [--routing TRACE] [--model DIR|bundled] [--cpu-share] [--out FILE.json]
+    python benchmarks/forward_gaps.py [--runs full@1.0,oled@0.4,lru:misses=cooperative@0.4] [--workload code --gen-length 256] [--profile]
+        [--routing TRACE] [--model DIR|bundled] [--cpu-share] [--host-profile N] [--out FILE.json]
 
 --routing TRACE decodes the trace's first request with its routing and commits replayed (as `oled bench --routing`,
 oled/trace/source.py) on the preset's real-size experts: learned routing's misses, split the same way.
@@ -22,13 +22,40 @@ oled/trace/source.py) on the preset's real-size experts: learned routing's misse
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
 from collections import defaultdict
 
 import torch
+
+
+def host_profile(decode, top: int) -> str:
+    """One generate under cProfile: its `top` costliest functions by their own time, as pstats prints them."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    res = decode()
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return f"{res.nfe} forwards, decode {res.decode_s * 1e3:.1f} ms\n{out.getvalue()}"
+
+
+def set_run(engine, run: str) -> None:
+    """POLICY[:key=value...]@BUDGET, as `oled bench --policies` writes a policy (lru:misses=cooperative@0.4)."""
+    from oled.bench import PolicySpec
+
+    policy, budget = run.rsplit("@", 1)
+    spec = PolicySpec.parse(policy)
+    engine.set_runtime(spec.name, budget, **spec.options)
+
+
+PER_FORWARD = ("token_ids", "forwards_ms", "gaps_ms", "steady")     # in the JSON file, not the printed line
 
 
 def measure(engine, decode, label: str) -> dict:
@@ -101,6 +128,9 @@ def measure(engine, decode, label: str) -> dict:
             "forward_ms": med(forward), "gap_ms": med(gap) if gap else None, "runner_call_host_ms": med(launch),
             "forward_ms_mean": statistics.fmean(forward), "gap_ms_mean": statistics.fmean(gap) if gap else None,
             "host_ms_per_forward": {name: total / res.nfe * 1e3 for name, total in host_sums.items()},
+            # per steady forward in order, and every forward's steadiness (a block's first forward is not)
+            "forwards_ms": [round(f, 4) for f in forward], "gaps_ms": [round(g, 4) for g in gap],
+            "steady": [steady for *_, steady in marks],
             **tails}
 
 
@@ -231,7 +261,11 @@ def main(argv=None) -> int:
                     "mapped forwards' misses)")
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--workload", default="code", help="decode the first prompt of this workload")
-    ap.add_argument("--profile", action="store_true", help="the iterations' kernels under torch.profiler, after the timing")
+    ap.add_argument("--profile", action="store_true",
+                    help="the iterations' kernels under torch.profiler, after the timing")
+    ap.add_argument("--host-profile", type=int, metavar="N", default=0,
+                    help="after the timing, one more generate per run under cProfile: its N costliest functions by "
+                         "their own time (cProfile slows every Python call: it ranks the host's work, not times it)")
     ap.add_argument("--no-shared-stream", dest="shared_stream", action="store_false",
                     help="the shared expert on the main stream (EngineConfig.shared_stream off)")
     ap.add_argument("--no-shared-in-moe", dest="shared_in_moe", action="store_false",
@@ -261,15 +295,13 @@ def main(argv=None) -> int:
             return engine.generate_ids(prompt_ids, params)
     results = []
     for run in args.runs.split(","):
-        policy, budget = run.split("@")
-        engine.set_runtime(policy, budget)
+        set_run(engine, run)
         results.append(measure(engine, decode, run))
         r = results[-1]
-        print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in PER_FORWARD}), flush=True)
     if args.profile:
         for r in results:
-            policy, budget = r["run"].split("@")
-            engine.set_runtime(policy, budget)
+            set_run(engine, r["run"])
             decode()                                         # warm-up again: set_runtime rebuilt the graphs
             r.update(profile_decode(engine, decode))
             print(r["run"], "GPU kernels %.3f ms/fwd, copies %.3f ms/fwd, %.0f launches/fwd over %d forwards" % (
@@ -280,6 +312,10 @@ def main(argv=None) -> int:
             print(r["run"], "GPU idle a forward, by the activities around it:")
             for g in r["idle_us_per_forward"]:
                 print("   %8.1f us %6.1f x  %s -> %s" % (g["us"], g["gaps"], g["before"], g["after"]))
+    for r in results if args.host_profile else ():
+        set_run(engine, r["run"])
+        decode()                                             # warm-up again: set_runtime rebuilt the graphs
+        print(r["run"], "under cProfile:", host_profile(decode, args.host_profile))
     ref = results[0]["token_ids"]
     for r in results[1:]:
         print(r["run"], "tokens", "equal to" if r["token_ids"] == ref else "DIFFERENT from", results[0]["run"])

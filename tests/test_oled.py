@@ -61,6 +61,22 @@ def test_scores_rank_masked_low_confidence_above_committed_now():
     assert s[3] == pytest.approx(0.3) and s[1] == pytest.approx(_calibration().masked_p(np.array([0.15]))[0])
 
 
+def test_masked_p_bins_every_confidence_including_non_finite_ones():
+    """A confidence in [edge i, edge i+1) takes bin i; 1.0 and above (+inf) the last bin; below 0 (-inf: a position
+    not masked) and NaN the first, each against a bin search written out over the edges."""
+    cal = _calibration()
+    conf = np.array([0.0, 0.05, 0.1, 0.15, 0.899, 0.9, 0.95, 0.999, 1.0, 7.0, np.inf, -0.5, -np.inf, np.nan])
+
+    def bin_of(c):
+        if np.isnan(c) or c < CONFIDENCE_EDGES[0]:
+            return 0
+        return min(max(i for i, edge in enumerate(CONFIDENCE_EDGES) if c >= edge), len(cal.masked) - 1)
+    want = [cal.masked[bin_of(c)] for c in conf]
+    assert cal.masked_p(conf).tolist() == want
+    assert want[:3] == [cal.masked[0], cal.masked[0], cal.masked[1]]
+    assert want[-4:] == [cal.masked[-1]] + [cal.masked[0]] * 3
+
+
 def test_rows_outside_the_block_and_block_boundaries():
     """A block's first forward also runs the previous block's final tokens: those rows are not run again and score
     nothing. At a block's end the first-iteration mask routing of the block is carried into the scores."""

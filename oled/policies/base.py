@@ -61,6 +61,7 @@ class LayerEvent:
                                      # path): a decision's loads fill slots for later forwards, its CPU misses are
                                      # just not loaded
     resident_ids: np.ndarray = None  # `resident` as increasing ids (read-only), for vectorised eviction orders
+    demand_ids: np.ndarray = None    # the demand's experts as increasing ids (read-only), for vectorised bookkeeping
 
     def __post_init__(self):
         if self.hits is None:
@@ -69,6 +70,8 @@ class LayerEvent:
             self.misses = [e for e in self.demand if e not in self.resident]
         if self.resident_ids is None:
             self.resident_ids = increasing_ids(self.resident)
+        if self.demand_ids is None:
+            self.demand_ids = increasing_ids(self.demand)
 
 
 def increasing_ids(experts) -> np.ndarray:

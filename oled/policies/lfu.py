@@ -13,9 +13,9 @@ class LFUPolicy(LRUPolicy):
         super().setup(ctx)
         self.uses = {layer: np.zeros(ctx.num_experts, dtype=np.int64) for layer in ctx.layers}   # forwards per expert
 
-    def used(self, layer, demand):
-        super().used(layer, demand)
-        self.uses[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] += 1    # (ids unique in demand)
+    def used(self, layer, experts):
+        super().used(layer, experts)
+        self.uses[layer][experts] += 1    # (ids distinct)
 
     def eviction_keys(self, layer):
         uses, last = self.uses[layer], self.last_use[layer]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import MISS_MODES, EvictionOrder, LayerDecision, LayerEvent, Policy
+from .base import MISS_MODES, EvictionOrder, LayerDecision, LayerEvent, Policy, increasing_ids
 
 
 class LRUPolicy(Policy):
@@ -33,17 +33,18 @@ class LRUPolicy(Policy):
         self.clock = 0
         # layer -> clock of each expert's last use (-1: never), an array for the eviction order's vectorised keys
         self.last_use = {layer: np.full(ctx.num_experts, -1, dtype=np.int64) for layer in ctx.layers}
-        self.pending = {layer: None for layer in ctx.layers}  # layer -> demand of its last event, not yet counted
+        self.pending = {layer: None for layer in ctx.layers}  # layer -> experts of its last event, not yet counted
 
     def touch(self, layer: int) -> None:
         """Count the layer's last use (see the module docstring)."""
-        demand, self.pending[layer] = self.pending[layer], None
-        if demand is not None:
+        experts, self.pending[layer] = self.pending[layer], None
+        if experts is not None:
             self.clock += 1
-            self.used(layer, demand)
+            self.used(layer, increasing_ids(experts))
 
-    def used(self, layer: int, demand: dict[int, int]) -> None:
-        self.last_use[layer][np.fromiter(demand, dtype=np.int64, count=len(demand))] = self.clock
+    def used(self, layer: int, experts: np.ndarray) -> None:
+        """experts: the distinct experts the layer used, as an int array."""
+        self.last_use[layer][experts] = self.clock
 
     def eviction_keys(self, layer: int):
         """cand (expert ids) -> the sort keys EvictionOrder.by_keys takes: least recently used first."""
@@ -65,5 +66,5 @@ class LRUPolicy(Policy):
         layer = event.layer
         self.touch(layer)
         load, cpu = self.split(event)
-        self.pending[layer] = event.demand
+        self.pending[layer] = event.demand_ids
         return LayerDecision(load=load, cpu=cpu, evict=self.eviction_order(layer, event.resident_ids, load))

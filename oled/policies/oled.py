@@ -83,9 +83,9 @@ class OledPolicy(LRUPolicy):
         self.predictor.observe(layer, event.ids, event.weights)
         # one order for the planner's eviction losses and the runtime's evictions (misses sent to the CPU are never
         # resident, so listing them too changes nothing)
-        order = self.eviction_order(layer, event.resident_ids, event.misses, needed=event.ids)
+        order = self.eviction_order(layer, event.resident_ids, event.misses, needed=event.demand_ids)
         load, cpu = self.split(event, order)
-        self.pending[layer] = event.demand
+        self.pending[layer] = event.demand_ids
         return LayerDecision(load=load, cpu=cpu, evict=order)
 
     # ------------------------------------------------------------------------------------------------ retention

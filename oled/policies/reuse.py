@@ -28,6 +28,7 @@ from .base import ForwardInfo, IterationEvent, read_json
 
 DECODED, MASKED, COMMITTED = IterationEvent.DECODED, IterationEvent.MASKED, IterationEvent.COMMITTED
 CONFIDENCE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_EDGES = np.array(CONFIDENCE_EDGES)
 WEIGHTINGS = ("count", "weight")
 
 
@@ -42,14 +43,18 @@ class ReuseCalibration:
     provenance: dict = field(default_factory=dict)
 
     def masked_p(self, confidence: np.ndarray) -> np.ndarray:
-        conf = np.nan_to_num(np.asarray(confidence, dtype=np.float64), nan=0.0, neginf=0.0, posinf=1.0)
-        bins = np.clip(np.searchsorted(CONFIDENCE_EDGES, conf, side="right") - 1, 0, len(self.masked) - 1)
-        return np.asarray(self.masked)[bins]
+        """P(reuse) of masked positions by their confidence's bin: below the first edge (-inf: positions not
+        masked) or NaN in the first bin, above the last (+inf) in the last."""
+        conf = np.asarray(confidence, dtype=np.float64)
+        bins = np.searchsorted(_EDGES, conf, side="right") - 1
+        bins[np.isnan(conf)] = 0
+        return np.asarray(self.masked)[np.clip(bins, 0, len(self.masked) - 1)]
 
-    def position_p(self, state: np.ndarray, confidence: np.ndarray) -> np.ndarray:
-        """P(reuse next iteration) of each block position's pairs from its state after this iteration."""
-        return np.where(state == DECODED, self.decoded,
-                        np.where(state == COMMITTED, self.committed, self.masked_p(confidence)))
+    def position_p(self, state: np.ndarray, confidence: np.ndarray, masked: np.ndarray | None = None) -> np.ndarray:
+        """P(reuse next iteration) of each block position's pairs from its state after this iteration; masked:
+        masked_p(confidence) if the caller has it."""
+        masked = self.masked_p(confidence) if masked is None else masked
+        return np.where(state == DECODED, self.decoded, np.where(state == COMMITTED, self.committed, masked))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -138,13 +143,15 @@ class ReusePredictor:
         """Fold this iteration's routing into the scores, weighted by each row's P(reuse next iteration)."""
         self._log_keep = None
         self.score *= self.decay
+        masked_p = None
         if self.forward is not None and self.forward.kind == "iteration" and self.routing:
             rows, positions = self.row_positions()
             layers = [layer for layer in self.layers if layer in self.routing]
             n_rows = self.routing[layers[0]][0].shape[0]
             # (at a block's end its final tokens run once more, writing the cache with the next block's start: every
             # position is then decoded or committed, scored as such)
-            p_pos = self.cal.position_p(event.state, event.confidence)
+            masked_p = self.cal.masked_p(event.confidence)      # (block_p's too, below)
+            p_pos = self.cal.position_p(event.state, event.confidence, masked_p)
             p = np.zeros(n_rows)
             p[rows] = p_pos[positions]
             self._add(layers, p, self.score)
@@ -157,7 +164,9 @@ class ReusePredictor:
             self.score += self.cal.mask_prior * self.mask_routing
             self.block_p = None
         else:
-            self.block_p = np.where(event.state == MASKED, self.cal.masked_p(event.confidence), self.cal.decoded)
+            if masked_p is None:
+                masked_p = self.cal.masked_p(event.confidence)
+            self.block_p = np.where(event.state == MASKED, masked_p, self.cal.decoded)
 
     def _add(self, layers: list[int], p_rows: np.ndarray, into: np.ndarray) -> None:
         """into[layer, e] += sum over rows r routed to e of p_rows[r] * g(r, e), every layer in one update."""

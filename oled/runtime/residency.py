@@ -132,8 +132,8 @@ class Residency:
         """ids, weights: the layer's routing [T, k]; predicted: the next layer's predicted ids (policies that want
         predictions); mapped: the layer ran on the mapped path (its misses computed from host memory). Hands the
         policy the layer's event, checks its decision, records the statistics."""
-        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)     # experts in increasing id order
-        experts = counts.nonzero()[0]
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        experts = counts.nonzero()[0]                                         # increasing ids
         demand = dict(zip(experts.tolist(), counts[experts].tolist()))
         resident, resident_ids = self.residents(layer)
         misses = [e for e in demand if e not in resident]
@@ -141,7 +141,8 @@ class Residency:
         forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
                                               block_length=len(ids))   # a layer run outside the decoding loop
         event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
-                           resident=resident, hits=hits, misses=misses, mapped=mapped, resident_ids=resident_ids)
+                           resident=resident, hits=hits, misses=misses, mapped=mapped, resident_ids=resident_ids,
+                           demand_ids=experts)
         if predicted is not None and (nxt := self.next_layer(layer)) is not None:
             p_experts, p_counts = np.unique(predicted, return_counts=True)
             event.predicted = dict(zip(p_experts.tolist(), p_counts.tolist()))
