@@ -92,7 +92,9 @@ def measure(engine, decode, label: str) -> dict:
         setattr(m, name, stamped)
 
     # the host's time inside the steps of a mapped forward's decisions, summed over the generate
+    # (arm_capture: each layer's arming after its decision, and inside _prepare_device the layers left, if any)
     summed = {"_await_routing": m, "_copy": m, "_prepare_device": m, "decide_mapped": m.residency,
+              "arm_capture": m.residency,
               "_start_share": m, "_finish_share": m}      # the CPU's share: its job submitted, then waited for
     host_sums = dict.fromkeys(summed, 0.0)
     for name, owner in summed.items():

@@ -30,6 +30,10 @@
 #   gaps   per denoising forward, the GPU's time in the forward against its idle gap before the next, for GAPS_RUNS
 #          (default full@1.0,oled@0.4; benchmarks/forward_gaps.py, the default grid's request), then (GAPS_FLAGS,
 #          default --profile) the iterations' kernels per forward under torch.profiler, prefill left out
+#   gaps-ab  forward_gaps.py's runs (GAPS_RUNS) at the working tree and at AB_REF (default HEAD) in a worktree,
+#          alternating (AB_ROUNDS rounds), on the default grid's request and on the routing proxy's trace (AB_ROUTING=0:
+#          the default request only): a host-side change's effect on the forward and its gap, measured in one process
+#          pair each
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   order  the bundled model at 100 % with ORDER_POLICIES (default full,oled,full,lru,oled-retain,full) in one
@@ -148,6 +152,23 @@ if has gaps; then
   timeout ${GAPS_S:-150} python3 benchmarks/forward_gaps.py --runs ${GAPS_RUNS:-full@1.0,oled@0.4} ${GAPS_FLAGS:---profile} \
     --out $R/forward_gaps.json > $R/gaps.log 2>&1
   echo "gaps rc=$?"; tail -${GAPS_TAIL:-80} $R/gaps.log; cp $R/forward_gaps.json $OUT/ 2>/dev/null
+fi
+if has gaps-ab; then
+  # the same forward_gaps runs at the working tree and at AB_REF (a commit, checked out in a worktree), alternating
+  # AB_ROUNDS times, on the default grid's request and (AB_ROUTING=0 skips it) on the routing proxy's trace
+  git worktree add -f /tmp/ab-ref ${AB_REF:-HEAD} > /dev/null 2>&1 || { echo "gaps-ab: no worktree of ${AB_REF:-HEAD}"; }
+  for round in $(seq ${AB_ROUNDS:-1}); do
+    for request in default $([ "${AB_ROUTING:-1}" = 1 ] && echo routing); do
+      flags=""; [ $request = routing ] && flags="--routing $PWD/${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace}"
+      for side in ref tree; do
+        dir=$PWD; [ $side = ref ] && dir=/tmp/ab-ref
+        ( cd $dir && PYTHONPATH=$dir timeout ${AB_S:-120} python3 benchmarks/forward_gaps.py \
+            --runs ${GAPS_RUNS:-full@1.0,oled@0.4} $flags --out $R/gaps-$request-$side-$round.json ) \
+          > $R/gaps-$request-$side-$round.log 2>&1
+        echo "gaps-ab $request $side round $round rc=$?"; grep '^{' $R/gaps-$request-$side-$round.log | cut -c1-400
+      done
+    done
+  done
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

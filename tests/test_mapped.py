@@ -134,31 +134,34 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     assert R == 2 and manager.capture_table is not None
     armed_full = []
     arm = manager.residency.arm_capture
-
     prepare = manager._prepare_device
-
-    def arm_capture(mapped):
-        armed = arm(mapped)
-        if mapped:
-            armed_full.append(all(len(slots) == R for slots in armed.values()))
-        return armed
-
     write, writes = manager._write_device_state, []
 
     def write_device_state():
         writes[-1] += 1
         write()
 
-    def prepare_device(mapped):             # the device state the next forward reads, written in one copy
+    def prepare_device(mapped, armed=None):     # the device state the next forward reads, written in one copy
         writes.append(0)
-        prepare(mapped)
+        prepare(mapped, armed)
         for pos, layer in enumerate(manager.layers):
             for e, slot in manager.cache.resident(layer).items():
                 assert torch.equal(manager.cache.pool[slot], manager.store.blob(layer, e)), (layer, e, slot)
             assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
             assert np.array_equal(manager.capture_table[pos].numpy(), manager._capture_host[pos])
+        if mapped:
+            # armed layer by layer as the decisions came (armed given) or all at once: the same table as arming
+            # every layer afresh from the slots as they are now
+            table, armed_now = manager._capture_host.copy(), dict(manager.residency.armed)
+            afresh = arm(True)
+            assert manager.residency.armed == armed_now
+            for layer, slots in afresh.items():
+                row = table[manager.layer_pos[layer]]
+                assert row[: len(slots)].tolist() == slots and (row[len(slots):] == -1).all(), (layer, row, slots)
+            armed_full.append(all(len(slots) == R for slots in afresh.values()))
+            prepared_after_decisions.append(armed is not None)
 
-    manager.residency.arm_capture = arm_capture
+    prepared_after_decisions = []
     manager._prepare_device = prepare_device
     manager._write_device_state = write_device_state
     assert _generate(llm, gen_length=8) == full_block
@@ -168,6 +171,7 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     copied = sum(r.loads for r in records)
     assert copied < sum(r.loads for r in plain.engine.manager.stats.records if r.kind == "iteration")
     assert sum(armed_full) >= len(armed_full) - 1 > 0       # the first after the prefill has no victims yet
+    assert any(prepared_after_decisions)    # a mapped forward's decisions armed its layers for the next one
     assert max(writes) == 1 and sum(writes) >= len(writes) // 2     # one copy a forward at most, most forwards
     assert manager.stats.summary()["captured_experts_per_iteration"] == captured / len(
         {r.forward for r in records})
@@ -325,10 +329,10 @@ def test_a_mapped_forward_finds_its_device_state_set_behind_the_forward_before(k
         paths.append(mapped)
         return mapped
 
-    def prepare_device(mapped):
+    def prepare_device(mapped, armed=None):
         if inside[0]:
             set_inside[-1] += 1
-        return prepare(mapped)
+        return prepare(mapped, armed)
 
     def checked_begin_forward(info):
         set_inside.append(0)

@@ -735,14 +735,16 @@ class ExpertManager:
             self.flush()
             self._start_forward(info)
 
-    def _prepare_device(self, mapped: bool) -> None:
+    def _prepare_device(self, mapped: bool, armed: list[int] | None = None) -> None:
         """The device state a forward reads: the slot map settled, and the capture table armed for a mapped one,
         written in one copy when it changed (one copy per changed layer took 0.63 ms of host time a forward for
         oled at 40 % on learned routing, where capture changes most layers' rows every forward; BENCHMARKS.md
-        section 28)."""
+        section 28). armed: the layers armed for this forward already (a mapped forward's decisions arm each as
+        they go); None: every layer is armed here."""
         self._settle_slots()
         if self.capture_table is not None:
-            self._arm_capture(self.residency.arm_capture(mapped))
+            rest = None if armed is None else [layer for layer in self.residency.layers if layer not in armed]
+            self._arm_capture(self.residency.arm_capture(mapped, rest))
         if self._state_dirty:
             self._write_device_state()
 
@@ -848,6 +850,11 @@ class ExpertManager:
             held = (layer, first.loads, first.slots)
             if self.stats.records[-1].experts_captured:      # captured experts in, their victims out of the map
                 self._slots_changed.add(layer)
+            if self.capture_table is not None:
+                # the layer's slots are what the next forward starts with: armed now, while the GPU runs the layers
+                # after it, not all at the end with the GPU idle (arming 19 layers there took about as long as
+                # _prepare_device's other work)
+                self._arm_capture(self.residency.arm_capture(True, [layer]))
         if held is not None:
             self._copy(*held)                     # waits for the forward's end (layer_done)
         # The next forward's device state, as for a mapped one (a denoising iteration follows most of them), set
@@ -855,7 +862,7 @@ class ExpertManager:
         # with the GPU idle (begin_forward took 0.17 ms a forward for oled at 40 % with capture on the H200,
         # BENCHMARKS.md section 21). Queued on the stream behind this forward, so this forward reads the state it
         # started with; begin_forward redoes it for a forward of the other path.
-        self._prepare_device(True)
+        self._prepare_device(True, armed=[layer for layer, _ in log])
         self._prepared = True
         if self.cpu_share:
             self._check_share()
@@ -875,16 +882,15 @@ class ExpertManager:
                                "(no answer from the host within the timeout): its outputs are not used")
 
     def _arm_capture(self, armed: dict[int, list[int]]) -> None:
-        """The capture table's mirror for the forward that begins: each layer's armed slots
-        (Residency.arm_capture). Not on the mapped path: nothing reads it."""
-        if not armed:
-            return
-        table = np.full_like(self._capture_host, -1)
+        """The capture table's mirror for the next forward: the rows of the layers armed (Residency.arm_capture),
+        each its armed slots then -1; the others' rows as they were. Not on the mapped path: nothing reads it."""
         for layer, slots in armed.items():
-            table[self.layer_pos[layer], : len(slots)] = slots
-        if not np.array_equal(table, self._capture_host):
-            self._capture_host[...] = table
-            self._state_dirty = True
+            row = self._capture_host[self.layer_pos[layer]]
+            n = len(slots)
+            if row[:n].tolist() != slots or (row[n:] != -1).any():
+                row[:n] = slots
+                row[n:] = -1
+                self._state_dirty = True
 
     def _settle_slots(self) -> None:
         """Before a forward: the compute waits for the copies decided since the last one, then the slot map's mirror

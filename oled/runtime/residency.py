@@ -208,17 +208,23 @@ class Residency:
         return (self.mapped_rows > 0 and not self.all_resident and info.kind == "iteration"
                 and info.tokens * self.top_k <= self.num_experts * self.mapped_rows)
 
-    def arm_capture(self, mapped: bool) -> dict[int, list[int]]:
+    def arm_capture(self, mapped: bool, layers: list[int] | None = None) -> dict[int, list[int]]:
         """As a forward begins: on the mapped path with capture_slots, each layer's slots the kernels may write its
         misses into: its free slots (in the order the cache hands them out), then the slots of the experts its last
         decision would evict first, up to capture_slots. The kernels skip a slot that a pair of the forward reads
         and give the i-th miss by expert id the i-th slot left (oled/kernels/moe_align_kernel.py); decide_mapped
-        applies the same rule. {} otherwise. Returns layer -> slots."""
-        self.armed = {}
+        applies the same rule. {} otherwise. `layers`: arm only these, whose slots no decision changes before the
+        next forward (a mapped forward arms each layer for the next once that layer's decision is made, while the
+        GPU runs the layers after it: ExpertManager._decide_mapped); the others keep what they were armed with.
+        None: every layer, afresh. Returns layer -> slots, for the layers armed."""
+        if layers is None:
+            self.armed = {}
+            layers = self.layers
         if not (mapped and self.capture_slots):
             return {}
         R = self.capture_slots
-        for layer in self.layers:
+        out = {}
+        for layer in layers:
             armed: list[tuple[int, int | None]] = [(slot, None) for slot in self.cache.free[layer][-R:][::-1]]
             resident = self.cache.resident(layer)
             for e in self._victims.get(layer, ()):
@@ -227,7 +233,8 @@ class Residency:
                 if e in resident:
                     armed.append((resident[e], e))
             self.armed[layer] = armed
-        return {layer: [slot for slot, _ in armed] for layer, armed in self.armed.items()}
+            out[layer] = [slot for slot, _ in armed]
+        return out
 
     def mapped_cpu_share(self, layer: int, ids: np.ndarray) -> list[int]:
         """The misses of a mapped layer with routing ids that the CPU computes (none without a CPU share): the
