@@ -735,7 +735,7 @@ class ExpertManager:
             self.flush()
             self._start_forward(info)
 
-    def _prepare_device(self, mapped: bool, armed: list[int] | None = None) -> None:
+    def _prepare_device(self, mapped: bool, armed: set[int] | None = None) -> None:
         """The device state a forward reads: the slot map settled, and the capture table armed for a mapped one,
         written in one copy when it changed (one copy per changed layer took 0.63 ms of host time a forward for
         oled at 40 % on learned routing, where capture changes most layers' rows every forward; BENCHMARKS.md
@@ -862,7 +862,7 @@ class ExpertManager:
         # with the GPU idle (begin_forward took 0.17 ms a forward for oled at 40 % with capture on the H200,
         # BENCHMARKS.md section 21). Queued on the stream behind this forward, so this forward reads the state it
         # started with; begin_forward redoes it for a forward of the other path.
-        self._prepare_device(True, armed=[layer for layer, _ in log])
+        self._prepare_device(True, armed={layer for layer, _ in log})
         self._prepared = True
         if self.cpu_share:
             self._check_share()
