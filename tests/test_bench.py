@@ -425,3 +425,47 @@ def test_the_forward_gaps_idle_time_is_pinned_to_the_activities_around_it():
     idle = gaps.idle_between(acts, forwards=2, top=10)
     assert [(g["before"], g["after"], g["us"], g["gaps"]) for g in idle] == [
         ("c", "a", 37.0, 0.5), ("b", "a", 25.0, 0.5), ("copy", "b", 5.0, 0.5), ("b", "c", 2.5, 0.5)]
+
+
+def test_compare_grids_flags_slower_cells_by_their_bytes_and_judges_the_targets(tmp_path, capsys):
+    """benchmarks/compare_grids.py: a cell whose time a forward grew past the tolerance is flagged, "same bytes" when
+    its reads and copies are REF's and "bytes differ" otherwise; the others are not; the targets are oled's TPOT
+    over full's, the fastest baseline (not full, not oled's variants) over oled, and oled's hit rate over belady's."""
+    from pathlib import Path
+
+    compare = benchmark_script("compare_grids")
+    grid = Path(__file__).resolve().parents[1] / "benchmarks/results/h200/s35/call3/tree/res/grid/results.jsonl.gz"
+    rows = [json.loads(line) for line in gzip.open(grid, "rt")]
+    ref, new = tmp_path / "ref", tmp_path / "new"
+    for d in (ref, new):
+        d.mkdir()
+    (ref / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    changed = []
+    for r in rows:
+        r = json.loads(json.dumps(r))
+        if r["mode"] == "live" and (r["policy_label"], r["budget"]) in (("lru", "0.4"), ("tide", "0.6")):
+            r["metrics"]["ms_per_forward"]["median"] *= 1.1
+            if r["policy_label"] == "tide":
+                r["metrics"]["mapped_gb_per_iteration"]["median"] += 0.01
+        changed.append(r)
+    (new / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
+    out = tmp_path / "cmp.json"
+    assert compare.main([str(ref), str(new), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    slower = {(c["policy"], c["budget"]): c["same_bytes"] for c in result["cells"] if c["slower"]}
+    assert slower == {("lru", "0.4"): True, ("tide", "0.6"): False}
+    assert len(result["cells"]) == sum(r["mode"] == "live" for r in rows)
+    assert "slower, same bytes" in capsys.readouterr().out
+    live = {(r["policy_label"], r["budget"]): r["metrics"] for r in rows if r["mode"] == "live"}
+    belady = next(r["metrics"] for r in rows if r["mode"] == "bound" and r["budget"] == "0.4")
+    goal = result["targets"]
+    tpot = {k: m["tpot_ms"]["median"] for k, m in live.items()}
+    assert goal["tpot_over_full"] == tpot["oled", "0.4"] / tpot["full", "1.0"]
+    baselines = {k: t for k, t in tpot.items() if k[1] == "0.4" and k[0].split("(")[0] not in
+                 ("full", "oled", "oled-retain", "oled-coop")}
+    assert goal["best_baseline_tpot_ms"] == min(baselines.values()) and goal["best_baseline"] != "oled-retain"
+    assert goal["hit_rate_over_belady"] == (live["oled", "0.4"]["hit_rate_tokens"]["median"]
+                                            / belady["hit_rate_tokens"]["median"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert compare.main([str(ref), str(empty)]) == 1

@@ -1,0 +1,139 @@
+"""Two `oled bench` grids cell by cell, and the OLED issue's targets in the newer one: the check a session runs
+against the last committed grid before it stops.
+
+    python benchmarks/compare_grids.py REF NEW [--tolerance 1.03] [--budget 0.4] [--json FILE]
+
+REF and NEW are result folders (results.jsonl, or its gzipped copy). For every live cell (policy, budget) present in
+both it prints ms per token in each, NEW's time a forward over REF's (a cell's decoded sequence, and with it its
+number of forwards, may differ between codes, so the ratio is taken a forward), the bytes it read from host memory
+(mapped) and copied (H2D) an iteration in each, and its token agreement. A cell slower than the tolerance a forward
+is said to be either "same bytes" (the same decisions moved the same data: spread between processes, or a change
+of the forward's own cost) or "bytes differ" (its decisions changed). A grid's card is its rows' label: when the two
+differ (an H100 against an H200) the ratios compare machines, not codes, and the script says so.
+
+The targets at --budget, in NEW: oled's ms per token over `full`'s (at most 1.15), the best baseline's over oled's
+(at least 1.5; the baselines are every live policy but full and oled's variants), oled's cache utilisation against
+the highest baseline's, and oled's token hit rate over belady's (at least 0.9).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from oled.bench.report import read_jsonl
+
+OLED_VARIANTS = ("oled", "oled-retain", "oled-coop")
+TARGETS = {"tpot_over_full": 1.15, "best_baseline_over_oled": 1.5, "hit_rate_over_belady": 0.9}
+
+
+def cells(folder) -> tuple[dict[tuple[str, str], dict], dict[str, dict], set[str]]:
+    """(live cells by (policy label, budget): their row; belady's bound rows by budget; the grid's card labels)."""
+    rows = [r for r in read_jsonl(Path(folder) / "results.jsonl") if r.get("status", "ok") == "ok"]
+    live = {(r["policy_label"], r["budget"]): r for r in rows if r["mode"] == "live" and r.get("metrics")}
+    bound = {r["budget"]: r for r in rows if r["mode"] == "bound" and r.get("metrics")}
+    return live, bound, {r.get("label", "?") for r in rows}
+
+
+def median(row: dict, metric: str) -> float | None:
+    value = (row["metrics"].get(metric) or {}).get("median")
+    return None if value is None else float(value)
+
+
+def compare(ref: dict, new: dict, tolerance: float) -> list[dict]:
+    """One entry per cell in both grids, in NEW's order."""
+    out = []
+    for key, row in new.items():
+        if key not in ref:
+            continue
+        old = ref[key]
+        ratio = median(row, "ms_per_forward") / median(old, "ms_per_forward")
+        same_bytes = all(round(median(row, m) or 0.0, 4) == round(median(old, m) or 0.0, 4)
+                         for m in ("mapped_gb_per_iteration", "h2d_gb_per_iteration"))
+        out.append({"policy": key[0], "budget": key[1], "tpot_ms": median(row, "tpot_ms"),
+                    "ref_tpot_ms": median(old, "tpot_ms"), "forward_ratio": ratio,
+                    "mapped_gb": median(row, "mapped_gb_per_iteration"),
+                    "ref_mapped_gb": median(old, "mapped_gb_per_iteration"),
+                    "h2d_gb": median(row, "h2d_gb_per_iteration"), "ref_h2d_gb": median(old, "h2d_gb_per_iteration"),
+                    "agreement": median(row, "token_agreement"), "same_bytes": same_bytes,
+                    "slower": ratio > tolerance})
+    return out
+
+
+def targets(live: dict, bound: dict, budget: str) -> dict | None:
+    """The OLED issue's targets at `budget` in one grid; None when it lacks oled or full there."""
+    oled, full = live.get(("oled", budget)), live.get(("full", "1.0"))
+    if oled is None or full is None:
+        return None
+    baselines = {label: row for (label, b), row in live.items()
+                 if b == budget and row["policy"] not in OLED_VARIANTS + ("full",)}
+    out = {"oled_tpot_ms": median(oled, "tpot_ms"), "full_tpot_ms": median(full, "tpot_ms")}
+    out["tpot_over_full"] = out["oled_tpot_ms"] / out["full_tpot_ms"]
+    if baselines:
+        best = min(baselines, key=lambda label: median(baselines[label], "tpot_ms"))
+        out["best_baseline"], out["best_baseline_tpot_ms"] = best, median(baselines[best], "tpot_ms")
+        out["best_baseline_over_oled"] = out["best_baseline_tpot_ms"] / out["oled_tpot_ms"]
+        out["oled_utilization"] = median(oled, "cache_utilization")
+        out["best_baseline_utilization"] = max(median(r, "cache_utilization") for r in baselines.values())
+    if budget in bound:
+        out["hit_rate_over_belady"] = median(oled, "hit_rate_tokens") / median(bound[budget], "hit_rate_tokens")
+    return out
+
+
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ref", help="the reference grid's folder (the last committed one)")
+    ap.add_argument("new", help="the new grid's folder")
+    ap.add_argument("--tolerance", type=float, default=1.03,
+                    help="a cell is slower when NEW's time a forward is over this times REF's (default 1.03)")
+    ap.add_argument("--budget", default="0.4", help="the budget the targets are judged at (default 0.4)")
+    ap.add_argument("--json", help="also write the comparison and the targets to this file")
+    args = ap.parse_args(argv)
+    (ref, _, ref_cards), (new, new_bound, new_cards) = cells(args.ref), cells(args.new)
+    rows = compare(ref, new, args.tolerance)
+    if not rows:
+        print(f"compare_grids: no live cell is in both {args.ref} and {args.new}", file=sys.stderr)
+        return 1
+    print(f"REF {args.ref}: {', '.join(sorted(ref_cards))}\nNEW {args.new}: {', '.join(sorted(new_cards))}")
+    if ref_cards != new_cards:
+        print("the grids ran on different cards: the ratios compare machines as well as codes")
+    print(f"{'policy':24s} {'budget':>6s} {'ms/token':>9s} {'(ref)':>9s} {'fwd x':>7s} {'mapped GB':>10s} {'(ref)':>8s} "
+          f"{'H2D GB':>8s} {'(ref)':>8s} {'agree':>6s}")
+    for r in rows:
+        flag = "" if not r["slower"] else ("  slower, same bytes" if r["same_bytes"] else "  slower, bytes differ")
+        print(f"{r['policy']:24s} {r['budget']:>6s} {r['tpot_ms']:9.3f} {r['ref_tpot_ms']:9.3f} "
+              f"{r['forward_ratio']:7.3f} {_gb(r['mapped_gb']):>10s} {_gb(r['ref_mapped_gb']):>8s} "
+              f"{_gb(r['h2d_gb']):>8s} {_gb(r['ref_h2d_gb']):>8s} {r['agreement']:6.2f}{flag}")
+    slower = [r for r in rows if r["slower"]]
+    ratios = [r["forward_ratio"] for r in rows]
+    print(f"{len(rows)} cells in both; a forward {min(ratios):.3f}-{max(ratios):.3f} x REF's; "
+          f"{len(rows) - len(slower)} within {args.tolerance} x, {len(slower)} above it "
+          f"({sum(r['same_bytes'] for r in slower)} of those with the same bytes); "
+          f"agreement below 1 in {sum(r['agreement'] < 1 for r in rows)} cells")
+    goal = targets(new, new_bound, args.budget)
+    if goal is None:
+        print(f"targets: NEW has no oled cell at {args.budget} or no full cell at 1.0")
+    else:
+        print(f"targets at {args.budget} (NEW): oled {goal['oled_tpot_ms']:.3f} ms per token = "
+              f"{goal['tpot_over_full']:.3f} x full's {goal['full_tpot_ms']:.3f} (target <= "
+              f"{TARGETS['tpot_over_full']})")
+        if "best_baseline" in goal:
+            print(f"  best baseline {goal['best_baseline']} {goal['best_baseline_tpot_ms']:.3f} = "
+                  f"{goal['best_baseline_over_oled']:.3f} x oled's (target >= {TARGETS['best_baseline_over_oled']}); "
+                  f"utilisation oled {goal['oled_utilization']:.4f}, highest baseline "
+                  f"{goal['best_baseline_utilization']:.4f} (target: above)")
+        if "hit_rate_over_belady" in goal:
+            print(f"  token hit rate {goal['hit_rate_over_belady']:.4f} x belady's (target >= "
+                  f"{TARGETS['hit_rate_over_belady']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cells": rows, "targets": goal}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
