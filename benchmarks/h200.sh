@@ -5,7 +5,9 @@
 #   wake   A/B of the CPU workers' wake modes (--cpu-wake layer|forward|off) on the CPU-using policies at 25 %;
 #          the fastest (sum of TPOT medians) is exported to the later stages of the call
 #   grid   the default policy grid on llada2-mini shapes, one `oled bench` command: every baseline, oled and its
-#          ablations at 100/60/40/25 %, belady's bound beside them (GRID_POLICIES narrows it)
+#          ablations at 100/60/40/25 %, belady's bound beside them (GRID_POLICIES narrows it); with GRID_REF (a
+#          committed grid's folder) compared with it cell by cell (benchmarks/compare_grids.py; TINY_REF and
+#          ROUTING_REF do the same for the tiny and routing stages)
 #   trace  `oled trace` on llada2-mini shapes: routing trace and its locality report
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
@@ -63,6 +65,9 @@ pack() { tar czf "$OUT/results-${STAGES// /-}.tgz" -C $OUT res; ls -la $OUT; }
 # a bench stage's result lines at the top of $OUT as soon as it ends: a call that runs out of time while rendering or
 # packing still brings them back (a finished 41-run grid was lost that way)
 keep() { for d in "$@"; do [ -f "$R/$d/results.jsonl" ] && cp "$R/$d/results.jsonl" "$OUT/$d-results.jsonl"; done; }
+# a bench stage's grid against a committed one (its folder REF, when given), cell by cell, and the OLED targets
+compare_to() { [ -n "$1" ] || return 0; python3 benchmarks/compare_grids.py "$1" $R/$2 --json $R/$2-compare.json 2>&1 |
+  tee $R/$2-compare.txt; }
 GRAPHS=${GRAPHS:-}
 # every baseline, the planner's own (no credit), OLED and its ablations; `oled bench` adds the belady bound rows
 ALL_POLICIES=full,lru,lfu,prefetch,fiddler,tide,lru:misses=cooperative,oled,oled-retain,oled-coop
@@ -92,6 +97,7 @@ if has grid; then
   timeout ${GRID_S:-570} python3 -m oled.cli bench $GRID --policies ${GRID_POLICIES:-$ALL_POLICIES} \
     --out $R/grid > $R/grid.log 2>&1
   echo "grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/grid.log; keep grid
+  compare_to "${GRID_REF:-}" grid
 fi
 if has trace; then
   timeout ${TRACE_S:-200} python3 -m oled.cli trace --random-weights llada2-mini --workload code --prompts 1 \
@@ -107,6 +113,7 @@ if has tiny; then
     --budgets 1.0,0.6,0.4,0.25 --workload code --prompts ${TINY_PROMPTS:-2} --gen-length 128 --repeats 2 --no-progress $GRAPHS \
     --out $R/tiny-grid > $R/tiny-grid.log 2>&1; echo "tiny grid rc=$?"; tail -3 $R/tiny-grid.log
   python3 -m oled.cli bench --render $R/tiny-grid >> $R/tiny-grid.log 2>&1
+  compare_to "${TINY_REF:-}" tiny-grid
 fi
 if has routing; then
   start=$(date +%s)
@@ -117,6 +124,7 @@ if has routing; then
     ${ROUTING_FLAGS:-} --out $R/${ROUTING_OUT:-routing-grid} > $R/${ROUTING_OUT:-routing-grid}.log 2>&1
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/${ROUTING_OUT:-routing-grid}.log
   keep ${ROUTING_OUT:-routing-grid}
+  compare_to "${ROUTING_REF:-}" ${ROUTING_OUT:-routing-grid}
 fi
 if has capture; then
   for slots in ${CAPTURE_SLOTS:-0 4}; do
