@@ -9,7 +9,10 @@ number of forwards, may differ between codes, so the ratio is taken a forward), 
 (mapped) and copied (H2D) an iteration in each, and its token agreement. A cell slower than the tolerance a forward
 is said to be either "same bytes" (the same decisions moved the same data: spread between processes, or a change
 of the forward's own cost) or "bytes differ" (its decisions changed). A grid's card is its rows' label: when the two
-differ (an H100 against an H200) the ratios compare machines, not codes, and the script says so.
+differ (an H100 against an H200) the ratios compare machines, not codes, and the script says so. Each grid's cost
+model (measured at start-up in its process) gives the machine's copy rate and the kernels' read of one expert from
+host memory (`mapped_seconds`); where the reads differ, each cell's change a forward is set beside what the read alone
+predicts (its experts read an iteration times the difference), with the fit of one against the other.
 
 The targets at --budget, in NEW: oled's ms per token over `full`'s (at most 1.15), the best baseline's over oled's
 (at least 1.5; the baselines are every live policy but full and oled's variants), oled's cache utilisation against
@@ -36,14 +39,27 @@ def cells(folder) -> tuple[dict[tuple[str, str], dict], dict[str, dict], set[str
     return live, bound, {r.get("label", "?") for r in rows}
 
 
+def link(live: dict) -> dict | None:
+    """The grid's measured copy rate and mapped read of one expert (the first cost model among its rows)."""
+    for row in live.values():
+        costs = row.get("cost_model") or {}
+        if costs.get("mapped_seconds"):
+            return {"h2d_gbps": costs["h2d_gbps"], "mapped_seconds": costs["mapped_seconds"],
+                    "expert_bytes": costs["expert_bytes"]}
+    return None
+
+
 def median(row: dict, metric: str) -> float | None:
     value = (row["metrics"].get(metric) or {}).get("median")
     return None if value is None else float(value)
 
 
 def compare(ref: dict, new: dict, tolerance: float) -> list[dict]:
-    """One entry per cell in both grids, in NEW's order."""
+    """One entry per cell in both grids, in NEW's order; with both grids' mapped reads known, read_delta_ms: the
+    change a forward the difference of the two reads alone predicts for the cell's reads."""
     out = []
+    reads = (link(ref), link(new))
+    extra_read_s = None if None in reads else reads[1]["mapped_seconds"] - reads[0]["mapped_seconds"]
     for key, row in new.items():
         if key not in ref:
             continue
@@ -57,7 +73,11 @@ def compare(ref: dict, new: dict, tolerance: float) -> list[dict]:
                     "ref_mapped_gb": median(old, "mapped_gb_per_iteration"),
                     "h2d_gb": median(row, "h2d_gb_per_iteration"), "ref_h2d_gb": median(old, "h2d_gb_per_iteration"),
                     "agreement": median(row, "token_agreement"), "same_bytes": same_bytes,
-                    "slower": ratio > tolerance})
+                    "slower": ratio > tolerance,
+                    "delta_ms": median(row, "ms_per_forward") - median(old, "ms_per_forward"),
+                    "read_delta_ms": None if extra_read_s is None else
+                    (median(row, "mapped_gb_per_iteration") or 0.0) * 1e9 / reads[1]["expert_bytes"]
+                    * extra_read_s * 1e3})
     return out
 
 
@@ -102,6 +122,10 @@ def main(argv=None) -> int:
     print(f"REF {args.ref}: {', '.join(sorted(ref_cards))}\nNEW {args.new}: {', '.join(sorted(new_cards))}")
     if ref_cards != new_cards:
         print("the grids ran on different cards: the ratios compare machines as well as codes")
+    for name, grid in (("REF", ref), ("NEW", new)):
+        if (m := link(grid)) is not None:
+            print(f"{name} cost model: copies {m['h2d_gbps']:.1f} GB/s, the kernels' read of an expert "
+                  f"{m['mapped_seconds'] * 1e6:.1f} us ({m['expert_bytes'] / m['mapped_seconds'] / 1e9:.1f} GB/s)")
     print(f"{'policy':24s} {'budget':>6s} {'ms/token':>9s} {'(ref)':>9s} {'fwd x':>7s} {'mapped GB':>10s} {'(ref)':>8s} "
           f"{'H2D GB':>8s} {'(ref)':>8s} {'agree':>6s}")
     for r in rows:
@@ -115,6 +139,15 @@ def main(argv=None) -> int:
           f"{len(rows) - len(slower)} within {args.tolerance} x, {len(slower)} above it "
           f"({sum(r['same_bytes'] for r in slower)} of those with the same bytes); "
           f"agreement below 1 in {sum(r['agreement'] < 1 for r in rows)} cells")
+    explained = [r for r in rows if r["read_delta_ms"] is not None]
+    if explained and any(r["read_delta_ms"] for r in explained):
+        import numpy as np
+
+        x = np.array([r["read_delta_ms"] for r in explained])
+        y = np.array([r["delta_ms"] for r in explained])
+        slope, intercept = np.polyfit(x, y, 1)
+        print(f"the reads' difference alone predicts each cell's change a forward: observed = {slope:.3f} x predicted "
+              f"{intercept:+.3f} ms, correlation {np.corrcoef(x, y)[0, 1]:.3f} over {len(explained)} cells")
     goal = targets(new, new_bound, args.budget)
     if goal is None:
         print(f"targets: NEW has no oled cell at {args.budget} or no full cell at 1.0")
