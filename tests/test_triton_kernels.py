@@ -496,6 +496,20 @@ def test_bench_cases_run_under_the_interpreter(k):
     json.dumps([router, conf])                                                           # one JSON line each
 
 
+def test_host_read_probe_gathers_the_named_blobs(monkeypatch):
+    """benchmarks/host_read_probe.py's gather kernel under the interpreter: dst[b] is blob ids[b] of the store bit for
+    bit, a blob longer than one program's loads spread over several programs, its tail masked."""
+    from tests.scripts import benchmark_script
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")          # read when the script's kernel is decorated
+    probe = benchmark_script("host_read_probe")
+    store = torch.randn(6, 1000).to(torch.bfloat16)
+    ids = torch.tensor([4, 0, 4])
+    dst = torch.full((3, 1000), float("nan"), dtype=torch.bfloat16)
+    probe.gather_kernel[(3, triton.cdiv(1000, 128 * 2))](store, dst, ids, 1000, BLOCK=128, CHUNKS=2)
+    assert torch.equal(dst, store[ids])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # in the engine
 
