@@ -25,6 +25,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from oled.bench.report import read_jsonl
 
 OLED_VARIANTS = ("oled", "oled-retain", "oled-coop")
@@ -64,17 +66,16 @@ def compare(ref: dict, new: dict, tolerance: float) -> list[dict]:
         if key not in ref:
             continue
         old = ref[key]
-        ratio = median(row, "ms_per_forward") / median(old, "ms_per_forward")
+        forward_ms, ref_forward_ms = median(row, "ms_per_forward"), median(old, "ms_per_forward")
         same_bytes = all(round(median(row, m) or 0.0, 4) == round(median(old, m) or 0.0, 4)
                          for m in ("mapped_gb_per_iteration", "h2d_gb_per_iteration"))
         out.append({"policy": key[0], "budget": key[1], "tpot_ms": median(row, "tpot_ms"),
-                    "ref_tpot_ms": median(old, "tpot_ms"), "forward_ratio": ratio,
+                    "ref_tpot_ms": median(old, "tpot_ms"), "forward_ratio": forward_ms / ref_forward_ms,
                     "mapped_gb": median(row, "mapped_gb_per_iteration"),
                     "ref_mapped_gb": median(old, "mapped_gb_per_iteration"),
                     "h2d_gb": median(row, "h2d_gb_per_iteration"), "ref_h2d_gb": median(old, "h2d_gb_per_iteration"),
                     "agreement": median(row, "token_agreement"), "same_bytes": same_bytes,
-                    "slower": ratio > tolerance,
-                    "delta_ms": median(row, "ms_per_forward") - median(old, "ms_per_forward"),
+                    "slower": forward_ms / ref_forward_ms > tolerance, "delta_ms": forward_ms - ref_forward_ms,
                     "read_delta_ms": None if extra_read_s is None else
                     (median(row, "mapped_gb_per_iteration") or 0.0) * 1e9 / reads[1]["expert_bytes"]
                     * extra_read_s * 1e3})
@@ -141,8 +142,6 @@ def main(argv=None) -> int:
           f"agreement below 1 in {sum(r['agreement'] < 1 for r in rows)} cells")
     explained = [r for r in rows if r["read_delta_ms"] is not None]
     if explained and any(r["read_delta_ms"] for r in explained):
-        import numpy as np
-
         x = np.array([r["read_delta_ms"] for r in explained])
         y = np.array([r["delta_ms"] for r in explained])
         slope, intercept = np.polyfit(x, y, 1)
