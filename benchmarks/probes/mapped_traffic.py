@@ -5,7 +5,7 @@ the engine), and mapped misses with capture at each of --capture-slots (a kept m
 is read: crosses once, but that many slots a layer stay empty). Bytes only, no timing: the PCIe time is bytes /
 --gbps.
 
-    python benchmarks/mapped_traffic.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 --policies lru,oled \
+    python benchmarks/probes/mapped_traffic.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25 --policies lru,oled \
         --costs benchmarks/results/h200/mapped-fd4a7cc/routing-grid/results.jsonl.gz
 
 One line per (policy, budget, path): token hit rate, GB copied, GB read mapped, their sum and its time at --gbps, per

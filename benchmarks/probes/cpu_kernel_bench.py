@@ -5,8 +5,8 @@ pool of blobs larger than the L3 so every call reads its weights from DRAM). Rep
 effective GB/s (expert bytes / time) and % of --dram-gbs. With CUDA, the kernel is measured again while a
 background thread streams pinned host->device copies, reporting both sides' GB/s.
 
-    python benchmarks/cpu_kernel_bench.py --out cpu_kernel.json           # on the GPU host
-    python benchmarks/cpu_kernel_bench.py --quick                          # smoke check anywhere
+    python benchmarks/probes/cpu_kernel_bench.py --out cpu_kernel.json           # on the GPU host
+    python benchmarks/probes/cpu_kernel_bench.py --quick                          # smoke check anywhere
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the machine's NUMA nodes and the GPU's, the PCIe link's generation and width and
 layer's copy rate (16 experts of that layer, GPU-timed, the best of 3 rounds), and `h2d_gbps` as the engine calls it
 (blobs from every layer in turn).
 
-    python benchmarks/h2d_calibration.py --processes 3 --out h2d_calibration.json
+    python benchmarks/probes/h2d_calibration.py --processes 3 --out h2d_calibration.json
 """
 from __future__ import annotations
 

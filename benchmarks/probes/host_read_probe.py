@@ -9,7 +9,7 @@ programs on one expert's weights. This probe asks whether a kernel that does not
 memory, with many programs a blob, reaches the copy engine's rate: if it does, staging a layer's misses into slots
 before its GEMMs (inside the same graph, no host) would read them at the link's rate where the GEMMs do not.
 
-    python benchmarks/host_read_probe.py [--blobs 1,4,8,32] [--blocks 4096,16384] [--chunks 1,4] [--out FILE]
+    python benchmarks/probes/host_read_probe.py [--blobs 1,4,8,32] [--blocks 4096,16384] [--chunks 1,4] [--out FILE]
 
 Per (m blobs, block elements a load, loads a program): the gather kernel's median time over 20 calls, each on blobs
 not read in the last calls (L2 holds none of them), its GB/s, and the copy engine's time and GB/s for the same m blobs

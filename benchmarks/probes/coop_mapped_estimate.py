@@ -12,7 +12,7 @@ Summed per denoising iteration, in ms, with the CPU experts and pairs the split 
 mapped forward could hand a layer's routing and input rows to the CPU and wait for its results without more cost than
 the cost model's transfer term; how the GPU would wait for them is exactly what is not built.
 
-    python benchmarks/coop_mapped_estimate.py benchmarks/traces/proxy-chat.trace \
+    python benchmarks/probes/coop_mapped_estimate.py benchmarks/traces/proxy-chat.trace \
         benchmarks/results/h200/s29/call3/routing-grid/results.jsonl.gz --requests 1 --expert-mib 6 --gbps 47 \
         --budgets 0.6,0.4,0.25
 """
