@@ -1,6 +1,6 @@
 """The host's time to launch a CUDA graph against the nodes it holds (H200).
 
-A mapped forward's graph (BENCHMARKS.md section 20) took 0.55 ms of host time a `replay()` against 0.06 ms for
+A mapped forward's graph took 0.55 ms of host time a `replay()` against 0.06 ms for
 `full`'s, with about the same number of kernels (443 against 403 launches a forward). What it has and `full`'s graph
 has not: per MoE layer, two device-to-host copies of the routing into pinned buffers and two external event records
 (ExpertManager._issue_readback, run_mapped). This probe captures graphs of the same shape, small kernels with and

@@ -1,6 +1,6 @@
 """How long a GPU kernel takes to see a mark the host stores in pinned memory, and what a layer pays when the GPU waits
 for the CPU's part of it: the signal a mapped forward would need for the CPU to compute part of a layer's misses
-inside the forward (not built; BENCHMARKS.md section 29 estimates what it could save). CUDA only.
+inside the forward (built since as --cpu-share; BENCHMARKS.md, finding *CUDA graph launch*). CUDA only.
 
   round trip  one kernel and the host thread take turns through two int32 words of pinned memory: the kernel stores
               i, the host sees it and stores i into the other word, the kernel sees that and goes on to i + 1.

@@ -1,4 +1,4 @@
-"""The routing proxy's metrics (BENCHMARKS.md section 11), from its training log and its traces.
+"""The routing proxy's metrics (BENCHMARKS.md, finding *Routing proxy*), from its training log and its traces.
 
     python benchmarks/proxy_metrics.py --train-log DIR/train_log.json --trace code=T1 --trace math=T2 \\
         --block 8=T8 --block 16=T16 --block 24=T24 --block 32=T32 --out metrics.json

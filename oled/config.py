@@ -23,13 +23,13 @@ class EngineConfig:
     popularity: str | None = None         # fiddler: calibration file (expert popularity per layer)
     cpu_threads: int | None = None        # CPU expert kernel threads (default: physical cores minus torch's)
     torch_threads: int | None = None      # torch intra-op threads (default: 1, sized with cpu_threads)
-    # the CPU expert kernel (runtime/cpu_kernel.py; what each did on the H200 host: benchmarks/CPU_KERNEL_NOTES.md)
+    # the CPU expert kernel (runtime/cpu_kernel.py; its design notes: benchmarks/probes/CPU_KERNEL_NOTES.md)
     cpu_wake: str = "auto"                # when its sleeping workers are woken: layer (ahead of a layer that had CPU
                                           # work the last time), forward (held through each forward) or off; auto:
                                           # layer with a CUDA device, off with a CPU one (runtime/manager.py)
     cpu_cost_feedback: bool = False       # the planner's CPU terms follow the CPU jobs' time in the engine (median
-                                          # ratio to the start-up cost model, per forward); off by default: not faster
-                                          # on the H200 (BENCHMARKS.md section 14), and decisions then depend on timing
+                                          # ratio to the start-up cost model, per forward); off by default
+                                          # (docs/decisions.md: cpu-cost-feedback-off)
     cpu_isa: str = "auto"                 # auto (AMX for jobs of cpu_amx_min_tokens or more, else AVX-512 BF16, where
                                           # the CPU has them), avx512_bf16, or portable C
     cpu_amx_min_tokens: int = 4           # 0: never AMX
@@ -50,17 +50,16 @@ class EngineConfig:
     # With mapped misses: slots of a layer (its free ones, then those of the experts it would evict next) that a
     # mapped forward writes the misses it reads from host memory into, skipping any slot the forward reads, so a
     # kept miss crosses PCIe once, not read and then copied (runtime/residency.py; at most half the layer's slots).
-    # 0: every kept miss is copied after the forward. 4 measured faster than 0 on the H200 (BENCHMARKS.md
-    # section 20); 16 faster than 4 on learned routing, with the default grid's decisions unchanged (section 28).
+    # 0: every kept miss is copied after the forward (docs/decisions.md: capture-slots).
     capture_slots: int = 16
     # With mapped misses and a policy that computes misses on the CPU (oled, oled-coop, lru:misses=cooperative,
     # fiddler, tide): each layer of a mapped forward gives the CPU kernel some of the misses its slots could not keep,
     # computed beside the GPU's reads; the layer's combine waits for the CPU's rows (runtime/cpu_share.py: how many
-    # from the cost model, which by expert id). Off by default: not lossless in bf16 (BENCHMARKS.md section 31)
+    # from the cost model, which by expert id). Off by default (docs/decisions.md: cpu-share-off)
     cpu_share: bool = False
     # The Triton kernels (oled/kernels), each in place of its torch path. True needs Triton and CUDA (or
     # TRITON_INTERPRET=1); False is torch's path; None (the default) is on where they run compiled (a CUDA device
-    # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (BENCHMARKS.md section 17).
+    # with Triton; the router only for LLaDA2's routing), torch's path elsewhere (docs/decisions.md: triton-kernels).
     fused_router: bool | None = None      # LLaDA2's gate GEMM and routing (sigmoid, bias, group limit, top-k)
     fused_moe: bool | None = None         # the routed experts over the slot pool and their weighted combine
     fused_norm: bool | None = None        # each RMSNorm with its residual add; the attention prologue (QK-norm,
@@ -71,14 +70,14 @@ class EngineConfig:
                                           # launch, written as o_proj reads it
     fused_linear: bool | None = None      # the attention's QKV and output GEMMs and the dense MLPs' and shared
                                           # experts' of up to 64 rows (a decode step) as a skinny Triton GEMM;
-                                          # None is off: slower than cuBLAS on the H200 (Engine.OPT_IN)
+                                          # None is off (Engine.OPT_IN; docs/decisions.md: fused-linear-off)
     # where the shared expert has GEMMs of its own (shared_in_moe off, or torch's MoE path): on a second CUDA stream
     # beside the routed experts, in the all-resident and mapped forwards (both graphs capture the fork); the same
     # kernels on the same inputs, so the same bits
     shared_stream: bool = True
     # the shared expert computed by the fused MoE kernels (fused_moe) as one more expert of every token, in the
-    # launches of the layer's routed experts, on every path: no GEMMs, activation or stream of its own (4.7 % less
-    # time a forward on the H200, BENCHMARKS.md section 27)
+    # launches of the layer's routed experts, on every path: no GEMMs, activation or stream of its own
+    # (docs/decisions.md: shared-expert-in-moe)
     shared_in_moe: bool = True
     profile: bool = False                 # time sections (attention, experts, copy wait, CPU) with events
 

@@ -48,7 +48,7 @@ def _mem_total_gib() -> float | None:
 
 
 def device_label(device) -> str:
-    """"CPU" for CPU runs (docs/DESIGN.md section 8: CPU-only figures are labelled CPU), else the GPU's name."""
+    """"CPU" for CPU runs (CPU-only figures are labelled CPU), else the GPU's name."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":

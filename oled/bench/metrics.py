@@ -1,4 +1,4 @@
-"""The metrics a benchmark line reports (docs/DESIGN.md section 7), their definitions, and the aggregation over repeats."""
+"""The metrics a benchmark line reports (docs/DESIGN.md, Metrics), their definitions, and the aggregation over repeats."""
 from __future__ import annotations
 
 import statistics

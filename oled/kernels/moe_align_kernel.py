@@ -131,7 +131,7 @@ def align_pairs_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     # the experts read from host memory first: their blocks are launched first, so their PCIe-bound reads start before
     # the pool's blocks rather than after them (no gain measured in an isolated call: the reads are bound by PCIe's
-    # bandwidth, not by when they start; BENCHMARKS.md section 27)
+    # bandwidth, not by when they start)
     on_pcie = (slots >= host_bin) & (slots < shared_bin)
     padded_pcie = tl.where(on_pcie, padded, 0)
     padded_rest = padded - padded_pcie

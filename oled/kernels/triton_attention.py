@@ -6,9 +6,8 @@ transpose and reshape for o_proj (EngineConfig.fused_attention).
   prologue writes (or the torch prologue's transposed view) against cache[:key_len], GQA's query heads of one KV
   head in one program, written straight as [T, heads * D]. Which key each query sees is computed in the kernel from
   the chunk's positions and kv_end (device tensors, so a CUDA graph replays it with new values) and the block
-  length: no mask tensor. The torch path is the mask (arange, compare, floor divides, and, where: about eight
-  launches a forward), the SDPA (on the H200, cuDNN's: 16 us a layer for 32 queries over ~300 keys, each launch
-  after a memset and ~6.5 us of idle GPU) and the copy of the transpose.
+  length: no mask tensor. The torch path is the mask (about eight launches a forward), the SDPA and the copy of
+  the transpose.
 - The key loop stops at the last key a program's rows see, read at run time, so a graph captured for a large
   key-length bucket does not pay for the padding past kv_end (SDPA attends over every key of the bucket, masked).
 - A decode chunk is 32 programs (LLaDA2.0-mini), each walking its keys one dependent tile after another, so its
@@ -108,11 +107,9 @@ def default_tiles(rows: int, interpreting: bool) -> AttentionTiles:
     """The tiles for a chunk of `rows` query rows a KV head (tokens x group). Compiled: a decode chunk (LLaDA2.0-mini:
     32 tokens x 4 heads) in programs of 16 rows, 8 a KV head and 32 in all, their keys split by auto_splits, in
     tiles of 64; a prefill (2,048 rows a KV head and more) in programs of 128 rows and 8 warps, as Triton's
-    flash-attention tutorial has for head_dim 128. On the H200 (BENCHMARKS.md section 24), unsplit, 16-row programs
-    took 8.2 us a call in a CUDA graph against 8.8 for 64 rows (32 tokens over 288 keys) and 71.7 against 67.9 (over
-    4,032 keys), about 1.1 us per tile of 64 keys walked one after another: in the engine (a 257-token prompt, 290
-    to 550 keys) 12.9 us a layer. Interpreted: the cost is per operation, so small tiles are cheap, and 32 rows and
-    32 keys still split the tests' chunks and key ranges into several tiles."""
+    flash-attention tutorial has for head_dim 128 (docs/decisions.md: attention-key-splits). Interpreted: the cost
+    is per operation, so small tiles are cheap, and 32 rows and 32 keys still split the tests' chunks and key ranges
+    into several tiles."""
     if interpreting:
         return AttentionTiles(rows=32, block_n=32, warps=1, stages=1)
     if rows >= 2048:

@@ -1,27 +1,20 @@
 """y = x @ W^T for few rows as one Triton launch: the attention's QKV and output projections, the dense MLPs' and the
 shared experts' gate|up and down GEMMs of a decode step (EngineConfig.fused_linear).
 
-On the H200 a decode forward of LLaDA2.0-mini (32 rows) spends about 0.44 ms in cuBLAS's small-tile kernels for
-these GEMMs, whose weights take 0.14 ms to read at 4.3 TB/s (BENCHMARKS.md section 24): a third of the HBM's
-bandwidth. This kernel aims at reading each weight once at close to that bandwidth: a program owns a few output
-features (block_n) for every row of the step and walks the whole reduction dimension, so a 2,048-feature weight
-spreads over 128 programs (oled/kernels/linear_kernel.py). Each program also reads all of x (from L2): 128 KiB at
-32 rows and K = 2,048, twice its share of the weight, the price of not splitting K. On the H200 it did not beat
-cuBLAS (BENCHMARKS.md section 25): alone in a graph 0.58-1.09 x cuBLAS's speed (QKV at 32 rows 8.75 us against
-6.88), in the engine 510 us a forward against 399. So the engine leaves it off unless asked for (Engine.OPT_IN);
-benchmarks/kernels_bench.py's `linear` case times it against F.linear and --linear-tiles compares tiles, which were
-not swept there.
+cuBLAS's small-tile kernels read these weights well below the HBM's bandwidth at a decode step's few rows. This
+kernel aims at reading each weight once at close to that bandwidth: a program owns a few output features (block_n)
+for every row of the step and walks the whole reduction dimension (oled/kernels/linear_kernel.py). Each program
+also reads all of x (from L2), the price of not splitting K. It did not beat cuBLAS, so the engine leaves it off
+unless asked for (Engine.OPT_IN; docs/decisions.md: fused-linear-off); benchmarks/kernels_bench.py's `linear` case
+times it against F.linear and --linear-tiles compares tiles.
 
 Semantics: the products are exact (a product of two bf16 or two fp16 values fits in fp32; fp32 operands multiply
 as IEEE FMAs, never TF32) and the sums are fp32, in the kernel's own order (K tiles in sequence, each tile's sum in
 the tensor cores' order), which is not cuBLAS's; the result is rounded once to x's dtype. So an element can land an
 ulp of the output dtype away from F.linear's wherever the exact sum lies close to a rounding boundary, and a model
-run with the kernel decodes its own sequence in bf16, as with the other kernels that sum in another order. Under
-the CPU interpreter (numpy's fp32 sums; 32 rows, K = 128 and 2,048) 0.01 % of bf16 and 0.1-0.2 % of fp16 elements
-differ from the correctly rounded exact sum, as many as of F.linear's on the CPU, and every element lies within an
-ulp of it, beyond only where a sum cancels to near 0, by what any fp32 order can add (tests/test_triton_linear.py);
-on the H200 benchmarks/kernels_bench.py reports the share equal to cuBLAS's. In fp32 the two agree within 1e-5 of
-the largest output. The order is fixed (no split-K, no atomics), so every call gives the same bits.
+run with the kernel decodes its own sequence in bf16, as with the other kernels that sum in another order. Every
+element lies within an ulp of the correctly rounded exact sum, beyond only where a sum cancels to near 0
+(tests/test_triton_linear.py); benchmarks/kernels_bench.py reports the share equal to cuBLAS's on the GPU. The order is fixed (no split-K, no atomics), so every call gives the same bits.
 
 Rows above MAX_ROWS: the callers keep F.linear (a prefill is compute-bound, and cuBLAS's large tiles win there); the
 launcher itself takes any number of rows, in blocks of up to 64.

@@ -19,34 +19,26 @@ so a CUDA graph captures them and replays them with other routing):
      intermediate in x's dtype;
   3. down: a program per (block, BLOCK_N columns of H), stored straight to out[p] of each row that holds a pair.
 Programs of empty blocks return after one load. The scratch (pair list, block table, cursors, intermediate) is
-four torch.empty of those fixed shapes, no tensor op. The alignment is one program making passes of 1,024 pairs:
-one for decode, tens for a long prefill.
+four torch.empty of those fixed shapes, no tensor op.
 
 Rounding: as the torch path, every product accumulates in fp32 and the intermediates are rounded where torch
 stores them: h = x @ [gate; up]^T to x's dtype, silu(h_gate) to x's dtype (computed in fp32 as torch's CUDA silu
 does, expf and an IEEE division), the product to x's dtype, the output to x's dtype. What differs is the order
 of the fp32 sums (tiles of BLOCK_K here, cuBLAS/CUTLASS's own split in torch._grouped_mm): in bf16 an element of
-h, hence of the output, may land a bf16 ulp or two away from the torch path's (under the interpreter, against
-torch's CPU path, 99.97 % to 100 % of the outputs had the same bits at H 128 to 512; on the H200 at LLaDA2.0-mini
-shapes, benchmarks/kernels_bench.py found every output bit-identical, BENCHMARKS.md section 14); in fp32 they
-agree to rounding (about 1e-6 relative). Under the interpreter the SiLU takes numpy's exp (an ulp from torch's CPU exp at times), and bf16 is rounded on the bits,
-to nearest even as a compiled cast rounds (the interpreter's own cast truncates).
+h, hence of the output, may land a bf16 ulp or two away from the torch path's (benchmarks/kernels_bench.py
+counts the bits that differ on the GPU); in fp32 they agree to rounding. Under the interpreter the SiLU takes
+numpy's exp, and bf16 is rounded on the bits, to nearest even as a compiled cast rounds (the interpreter's own cast
+truncates).
 
 Independence: a pair's output depends only on x[t] and its slot's weights: the K order is fixed, tiles are
 row-independent (which row of its block a pair lands in, the atomics' order on a GPU, does not matter), and no
 split of K depends on the routing. So a pair gives the same bits alone or among many, in any slot
 (tests/test_triton_moe.py checks it under the interpreter).
 
-Tiles: MoeTiles below. The defaults are meant for decode on LLaDA2.0-mini (H 2048, I 512, top-8, 1-4 pairs an
-expert, ~40 experts a call): memory bound, so the aim is to read each active expert's 6 MiB once with enough
-programs in flight: 40 experts x 16 tiles of I (launch 2) and x 32 tiles of H (launch 3) are 640 and 1,280
-programs for 132 SMs. BLOCK_M is fixed (not chosen from P) so that the MMA shape, hence a pair's bits, never
-depend on the call's size. In a CUDA graph on the H200 the three launches take 61-90 µs for 32-47 experts (3.2-3.6
-TB/s, 1.2-1.3 x the weights' floor at 4.3 TB/s); of eight tile configurations (BENCHMARKS.md section 26:
-gate_up_n 16 / 32 / 64, gate_up_k and down_k 64 / 128 / 256, num_warps 4 / 8, num_stages 3 / 4 / 5) only
-num_stages 4 beat the first defaults: 3.6 % less time over the eight cases (up to 8 %, none 2 % slower).
-block_m 32 / 64 (prefill, hundreds of pairs an expert, where the weights are re-read per block and MMA efficiency
-starts to matter) is not measured.
+Tiles: MoeTiles below. The defaults are meant for decode on LLaDA2.0-mini (H 2048, I 512, top-8, a few pairs an
+expert): memory bound, so the aim is to read each active expert's weights once with enough programs in flight.
+BLOCK_M is fixed (not chosen from P) so that the MMA shape, hence a pair's bits, never depend on the call's size.
+The choice of tiles: docs/decisions.md, moe-tiles.
 """
 from __future__ import annotations
 
@@ -72,7 +64,7 @@ class MoeTiles:
     down_n: int = 64            # columns of H a program of launch 3 (H 2048: 32 programs an expert)
     down_k: int = 128           # I a step
     num_warps: int = 4
-    num_stages: int = 4         # 3.6 % less time than 3 over eight decode cases on the H200 (BENCHMARKS.md 26)
+    num_stages: int = 4         # docs/decisions.md: moe-tiles
 
     def __post_init__(self):
         for name in ("block_m", "gate_up_n", "gate_up_k", "down_n", "down_k"):

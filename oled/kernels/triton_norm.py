@@ -97,8 +97,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 
 
 def _rows_per_program(rows: int, interpreting: bool) -> int:
-    """Compiled: one row a program, as measured on the H200 (BENCHMARKS.md section 16). Interpreted: the cost is per
-    operation, not per element, so many rows a program."""
+    """Compiled: one row a program, the fastest measured. Interpreted: the cost is per operation, not per element, so
+    many rows a program."""
     import triton
 
     return min(triton.next_power_of_2(rows), 64) if interpreting else 1

@@ -7,8 +7,8 @@ ranges of the hidden dimension so that a 32-token decode step spreads over ~128 
 the partials in order and does everything else in one program per token (compiled; a block of tokens under the
 interpreter): sigmoid, + expert_bias for selection, group scores (sum of the top 2 in each group), the best
 `topk_group` groups, top-k experts among them, weights = unbiased scores renormalised and scaled. torch's path
-(the reference) is a cast of the hidden states, cuBLAS's fp32 SIMT GEMM and its split-K reduction: on the H200
-about 13 us a layer for a decode step in three launches (BENCHMARKS.md section 24).
+(the reference) is a cast of the hidden states, cuBLAS's fp32 SIMT GEMM and its split-K reduction, in three
+launches.
 
 The logits are the reference's up to the order of the fp32 sums (a few ulps), so the expert ids are the
 reference's except where two biased scores lie within those ulps of each other at a selection boundary (a near-tie:
@@ -19,11 +19,11 @@ Ids are in the reference's order (descending biased score, as torch.topk(sorted=
 selection in the kernel takes the lowest index among equal values (expert, and group for the group limit);
 torch.topk leaves tie order unspecified (on the CPU it is not lowest-index), so rows with exactly equal biased
 scores at a selection boundary may differ in order or membership from the reference while being an equally valid
-top-k. With random fp32 scores that is about one token in 30,000. Exactness also needs the kernel's sigmoid to
+top-k. Exactness also needs the kernel's sigmoid to
 give torch's bits: compiled for CUDA it computes what torch's CUDA kernel computes (libdevice expf, IEEE division;
 benchmarks/kernels_bench.py checks the ids on the GPU). Under the CPU interpreter numpy's exp differs from torch's
-CPU exp in the last ulp for some inputs, so scores within an ulp of each other can swap there (1 token of 102,400
-differed in one run on random N(0, 1) logits; tests/test_triton_kernels.py keeps its inputs clear of near-ties).
+CPU exp in the last ulp for some inputs, so scores within an ulp of each other can swap there
+(tests/test_triton_kernels.py keeps its inputs clear of near-ties).
 
 Logits must be finite (NaN ordering is not reproduced).
 """

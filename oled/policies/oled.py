@@ -17,7 +17,7 @@ confidence say whether its routing will repeat (policies/reuse.py). So instead o
 Variants (the ablations): `oled` = reuse retention + cooperative misses; `oled-retain` = reuse retention, every
 miss loaded; `oled-coop` = LRU retention + reuse-aware cooperative misses. `waves=1` lets the planner load misses
 beyond the slots not holding a hit, in further waves, instead of sending every such miss to the CPU (off by
-default: slower than one wave on the H200, BENCHMARKS.md section 13).
+default: docs/decisions.md, one-wave).
 """
 from __future__ import annotations
 

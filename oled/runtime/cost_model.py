@@ -121,9 +121,8 @@ class CostModel:
     def mapped_reads(self) -> "CostModel":
         """This model as the mapped path's GPU side sees a miss: read inside the MoE kernels (mapped_seconds an
         expert, its compute included) rather than copied, then computed; itself where mapped_seconds was not
-        measured. A copy pays a fixed cost per blob that a kernel's read does not: the bundled model's 48 KiB experts
-        copy at 13.9 GB/s, and with the copy's cost a CPU share of its misses looked worth it where it ran the model
-        3-7 x slower (BENCHMARKS.md section 32)."""
+        measured. A copy pays a fixed cost per blob that a kernel's read does not, so small experts priced at the
+        copy make a CPU share look worth it where it is slower (docs/decisions.md: cpu-share-off)."""
         if self.mapped_seconds <= 0:
             return self
         return replace(self, h2d_gbps=self.expert_bytes / self.mapped_seconds / 1e9, gpu_seconds={},
@@ -212,12 +211,10 @@ class CostModel:
 def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
     """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them,
     the blobs taken from every layer in turn (expert i // L of layer i % L), as the engine loads from all of them (each
-    layer's copied at 53.2-54.0 GB/s in a probe on the H200, so this guards against a layer unlike the rest). The
-    least of at least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round is
-    timed with CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and not
-    the host's. The first estimator (three host-clocked rounds of layer 0's first 16 experts, no warm-up) read 25-28
-    GB/s in 3 of 17 H200 processes where the others read 50.6-53.7; one of the three copied at 46.6 GB/s in its runs
-    (BENCHMARKS.md section 30)."""
+    layer's copied at the same rate in a probe, so this guards against a layer unlike the rest). The least of at
+    least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round is timed with
+    CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and not the
+    host's (docs/decisions.md: copy-rate-calibration)."""
     layers, experts = store.layers, store.config.num_experts
     n = min(n, len(layers) * experts)
     blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
@@ -259,8 +256,8 @@ def h2d_gbps(store, device, n: int | None = None) -> float:
 def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int = 20, rounds: int = 3) -> float:
     """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
     expert. On the GPU the call is captured in a CUDA graph and its replays are timed (_replay_seconds): the engine
-    replays it in a graph, and timing eager calls measures the host's launches instead: 26-28 µs per expert at every
-    token count on the H200, against 5.6-7.2 µs from replays (BENCHMARKS.md section 14)."""
+    replays it in a graph, and timing eager calls measures the host's launches instead, several times the GPU's
+    time."""
     from .grouped import grouped_swiglu
 
     layer, n = store.layers[0], min(n_experts, store.config.num_experts)
@@ -459,9 +456,8 @@ def monotone_in_tokens(table: dict[int, float]) -> dict[int, float]:
 
 def _copy_rate_of_two(first: float, last: float) -> float:
     """The copy rate measured at the start and at the end of the measurement, seconds apart: the faster, since other
-    work on the machine only ever slows copies. Two H200 routing grids read 27.6 and 34.4 GB/s at the start with the
-    GPU-timed rounds, where fresh processes read 54 (BENCHMARKS.md section 30), for a cause not found; a reading that
-    moved is said once."""
+    work on the machine only ever slows copies (docs/decisions.md: copy-rate-calibration); a reading that moved is
+    said once."""
     if max(first, last) > 1.2 * min(first, last):
         log.warning("cost model: the copy rate read %.1f GB/s at the start of the measurement and %.1f at its end; "
                     "the faster is kept", first, last)

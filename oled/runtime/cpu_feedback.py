@@ -1,16 +1,14 @@
 """The CPU path as the engine sees it, against the cost model: a per-forward correction of the model's CPU terms.
 
 The start-up cost model times the CPU kernel alone (cost_model.measure). In the engine a job also waits for the
-kernel's workers to wake and shares the host with the main thread's launches, copies and policy steps: on the
-H200, LLaDA2.0-mini shapes and learned routing at a 40 % budget, the kernel's own time was about twice the model's
-(docs/DESIGN.md section 5.6), so the planner sent misses to the CPU that a load would have served sooner.
+kernel's workers to wake and shares the host with the main thread's launches, copies and policy steps, so the
+planner can send misses to the CPU that a load would have served sooner.
 
 So the expert manager reports each CPU job's time from its submission to its result next to the model's prediction,
 and before each forward the planner's CPU terms are scaled by the median ratio of the last WINDOW jobs: a forward
 plans on one scale, quantised to steps of STEP so that noise does not change decisions, within SCALE_RANGE. Plain
 Python. The scale of each forward is recorded in a trace, and its replay plans on it, so a replay reaches the live
-run's decisions. Off by default (EngineConfig.cpu_cost_feedback): on the H200 it made no run faster (BENCHMARKS.md
-section 14), and with it two runs of the same request can split misses differently.
+run's decisions. Off by default (EngineConfig.cpu_cost_feedback; docs/decisions.md: cpu-cost-feedback-off).
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ _LIBS = ["-lpthread", "-lm"]
 # Cost of one token per weight element, relative to reading that element (in 1/256; AMX jobs use an eighth): the
 # work split gives a chunk of an expert with 32 tokens fewer rows than one of an expert with a single token.
 _TOKEN_COST_256THS = 8
-# Measured on the H200 host (16-core Xeon): AMX and AVX-512 both reach DRAM bandwidth up to 4 tokens, AVX-512
-# falls to 90 % at 8, 52 % at 16, 26 % at 32 tokens, AMX stays at 92-126 %.
+# AMX and AVX-512 both reach DRAM bandwidth at a few tokens an expert; above that AVX-512 falls behind while AMX
+# keeps up (benchmarks/probes/CPU_KERNEL_NOTES.md).
 _AMX_MIN_TOKENS = 4
 ISAS = CPU_ISAS
 

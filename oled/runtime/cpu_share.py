@@ -40,7 +40,7 @@ def cpu_share_experts(misses, table: np.ndarray, demanded: int, capacity: int) -
     all, `capacity` slots: the c highest ids, in increasing id, c = min(table[m], m, demanded - capacity). Only
     misses the layer's slots cannot keep go to the CPU: the loads after a mapped forward fill the slots not holding
     a hit (capacity - (demanded - m) of them), so any other CPU expert would be copied afterwards anyway, its bytes
-    crossing PCIe all the same (BENCHMARKS.md section 31). The alignment kernel's rule
+    crossing PCIe all the same (docs/decisions.md: cpu-share-off). The alignment kernel's rule
     (oled/kernels/moe_align_kernel.py, CPU_SHARE)."""
     ordered = sorted(misses)
     m = len(ordered)
@@ -52,9 +52,8 @@ class ShareHold:
     """Whether the CPU kernel's workers poll through a mapped forward with a CPU share. Polling workers slow the main
     thread's Python (the policy's decisions), so they are held through a forward only if the last mapped forward gave
     the CPU work; in a forward not held, the first layer with a share holds them from then on (that layer's job pays
-    their wake-up). At a budget where no layer gives the CPU anything, nothing polls (at 60 % on learned routing the
-    share cost 1.05-1.20 x against its process's `full`, with no CPU work, while it held them through every forward;
-    BENCHMARKS.md section 32)."""
+    their wake-up). At a budget where no layer gives the CPU anything, nothing polls (docs/decisions.md:
+    cpu-share-off)."""
 
     def __init__(self) -> None:
         self.expected = True        # the last mapped forward gave the CPU work (or none ran yet)

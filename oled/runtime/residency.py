@@ -121,8 +121,7 @@ class Residency:
     def begin_resident_forward(self, info: ForwardInfo) -> None:
         """A forward on the all-resident path starts: its statistics only. The policy is told nothing, of this
         forward or of its layers (record_resident): with every expert resident for good it has nothing to decide,
-        and its bookkeeping would only take host time (with it, oled ran the bundled model at 100 % at 0.92 ms per
-        token on the H200 against `full`'s 0.69-0.73 in the same process, BENCHMARKS.md section 29)."""
+        and its bookkeeping would only take host time (docs/decisions.md: all-resident-silent)."""
         self.forward = info
         self.stats.begin_forward(info.kind)
 
@@ -203,8 +202,8 @@ class Residency:
         denoising iteration reads its misses from host memory, unless its experts average
         more than one block of pairs (the kernels read a mapped blob once per block of its pairs). A prefill or
         cache fill touches most experts and loads most of its misses anyway: it copies them once, on the host
-        round trip (a 257-token prefill at 40 % took 271 ms on the mapped path against 200 ms there, BENCHMARKS.md
-        section 18), where the misses a policy sends to the CPU are read from host memory instead (cpu_on_host)."""
+        round trip (docs/decisions.md: prefill-round-trip), where the misses a policy sends to the CPU are read from
+        host memory instead (cpu_on_host)."""
         return (self.mapped_rows > 0 and not self.all_resident and info.kind == "iteration"
                 and info.tokens * self.top_k <= self.num_experts * self.mapped_rows)
 

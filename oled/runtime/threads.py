@@ -2,12 +2,11 @@
 
 Both pools busy-wait between pieces of work (OpenMP barriers, the kernel's spinning workers), so together they must
 not ask for more threads than the process has physical cores: a preempted thread then stalls every other one at the
-next barrier. Measured on a 2-core machine with both cores busy (issue 16): the README's main job took 610 ms per
-token with torch's default of one thread per core, against 47 ms with one thread.
+next barrier (docs/decisions.md: cpu-threads).
 
 torch gets one thread by default, the main thread. On a GPU it only launches kernels and issues copies; on a
-CPU-only machine it runs attention and the resident experts, where one thread costs nothing on the bundled model
-(24.1 ms per token with one thread, 24.5 ms with two, idle 2-core machine). The remaining physical cores go to the
+CPU-only machine it runs attention and the resident experts, where a second thread was no faster on the bundled
+model. The remaining physical cores go to the
 CPU expert kernel. `--torch-threads` and `--cpu-threads` override either side.
 """
 from __future__ import annotations

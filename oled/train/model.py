@@ -5,7 +5,7 @@ checkpoint layout (``checkpoint.official_state_dict``); the one difference is th
 are stored stacked (``mlp.experts.gate_up`` [E, 2I, H] = gate rows then up rows, ``mlp.experts.down`` [E, H, I])
 so that training runs them as grouped matrix products instead of a Python loop over experts.
 
-Math (docs/DESIGN.md section 4.1), per layer, pre-norm residual:
+Math (docs/DESIGN.md, LLaDA2.0), per layer, pre-norm residual:
   h += dense(attn(rope(qk_norm(split(query_key_value(input_layernorm(h)))))))
   h += mlp(post_attention_layernorm(h))
 with RMSNorm in fp32 cast back before the weight multiply; fused QKV rows Q heads | K heads | V heads; QK-norm
