@@ -174,3 +174,53 @@ def test_bad_report_options_are_one_line_and_exit_2(argv, message, capsys):
     assert main(["trace", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_grid_on_a_trace_takes_all_its_requests_unless_a_sample_is_asked_for_and_stated():
+    from oled.trace.selection import MIN_SAMPLE, sampled_requests
+
+    assert sampled_requests(3, None) == (3, None) and sampled_requests(3, 5) == (3, None)
+    n, note = sampled_requests(5, 1)
+    assert n == 1 and "the first 1 of 5" in note and f"fewer than {MIN_SAMPLE}" in note
+    n, note = sampled_requests(5, MIN_SAMPLE)
+    assert n == MIN_SAMPLE and "the first 3 of 5" in note and "fewer" not in note
+    with pytest.raises(ValueError, match="at least one"):
+        sampled_requests(3, 0)
+
+
+@pytest.mark.parametrize("prompts", [None, 1])
+def test_bench_replay_replays_every_request_or_states_its_sample(tmp_path, prompts):
+    from oled.bench import BenchConfig, run_bench
+
+    tiny = Trace.load(TINY_TRACE)
+    (row,) = run_bench(BenchConfig(replay=str(TINY_TRACE), policies=["lru"], budgets=["0.5"], bound=False,
+                                   prompts=prompts, out=str(tmp_path / "b"), progress=False))
+    n = tiny.num_requests if prompts is None else prompts
+    assert len(row["prompts"]) == n
+    assert row["metrics"]["generated_tokens"]["median"] == len(tiny.first_requests(n).req_output_ids)
+    sample = row["workload"]["sample"]
+    if prompts is None:
+        assert sample is None
+    else:
+        assert "the first 1 of 3" in sample and sample in row["model"]["note"]
+        assert sample in (tmp_path / "b/report.md").read_text()
+
+
+def test_bench_routing_replays_every_request_or_states_its_sample(tmp_path, capsys):
+    argv = ["--random-weights", "tiny", "--seed", "3", "--dtype", "float32", "--device", "cpu"]
+    path = tmp_path / "t.trace"
+    assert main(["trace", *argv, "--prompts", "3", "--gen-length", "8", "--block-length", "8", "--policy", "full",
+                 "--out", str(path)]) == 0
+    grid = ["bench", "--routing", str(path), *argv, "--policies", "lru", "--budgets", "0.5", "--repeats", "1",
+            "--warmup", "0", "--no-profile", "--no-bound", "--no-progress"]
+    for prompts, n in ((None, 3), (1, 1)):
+        out = tmp_path / f"b{prompts}"
+        assert main(grid + ["--out", str(out)] + ([] if prompts is None else ["--prompts", str(prompts)])) == 0
+        (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        routing = row["model"]["routing"]
+        assert (routing["requests"], routing["of_requests"], len(row["prompts"])) == (n, 3, n)
+        if prompts is None:
+            assert routing["sample"] is None
+        else:
+            assert "the first 1 of 3" in routing["sample"] and routing["sample"] in (out / "report.md").read_text()
+            assert "the first 1 of 3" in capsys.readouterr().out
