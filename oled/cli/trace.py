@@ -42,9 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--first", type=int, metavar="N",
                    help="with --report TRACE: only its first N requests (and with --out FILE: write their trace)")
     sub = p.add_argument_group("replay sub-reports of --report TRACE (JSON lines; --json FILE: a list)")
+    one = sub.add_mutually_exclusive_group()
     for s in SUBREPORTS.values():
-        sub.add_argument(f"--{s.name}", dest="subreport", action="store_const", const=s.name,
-                         help=f"{s.help}; budgets {s.budgets} and policies {s.policies} unless given")
+        chosen = f"budgets {s.budgets}" + (f" and policies {s.policies}" if s.policies else "")
+        one.add_argument(f"--{s.name}", dest="subreport", action="store_const", const=s.name,
+                         help=f"{s.help}; {chosen} unless given")
     sub.add_argument("--policies", help="comma list of policies to replay (default: the sub-report's)")
     sub.add_argument("--expert-mib", type=float, help="expert size the bytes are counted at (default: the trace's)")
     sub.add_argument("--windows", help=f"--ahead: comma list of W for recent:W (default: {WINDOWS})")

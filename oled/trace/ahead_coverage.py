@@ -1,10 +1,10 @@
 """`oled trace --report TRACE --ahead`: how far copying the next iteration's misses during the current one could go,
 replayed on the CPU. On the mapped path an iteration's misses are read from host memory inside its MoE layers, in
 series with their compute; whatever the host could name one iteration ahead could instead be copied into slots while
-the current forward runs. Per (policy, budget) and per prediction, over the mapped iterations: the misses, the share of them the
-prediction names, the experts it names that are not resident (what a prefetch would copy) and the share of those
-the layer then does not need, and both in GB per iteration at --expert-mib. The predictions use only what the host
-knows after an iteration:
+the current forward runs. Per (policy, budget) and per prediction, over the mapped iterations: the misses, the share
+of them the prediction names, the experts it names that are not resident (what a prefetch would copy) and the share
+of those the layer then does not need, and both in GB per iteration at --expert-mib. The predictions use only what
+the host knows after an iteration:
   recent:W  the experts the layer used in the W iterations before, that are not resident now;
   block     at a block's first iteration only: the experts the layer used at the previous block's first iteration;
   both      their union (recent at the widest W given);

@@ -173,7 +173,8 @@ def markdown_table(reports: list[tuple[str, dict]]) -> str:
         trace = f"`{name}` (block {rep['block_length']}, threshold {rep['threshold']}, cache {rep['cache']})"
         for n, s in enumerate(rep["requests"] + [rep["overall"]]):
             label = "**all**" if s is rep["overall"] else s["request"]
-            lines.append("| " + " | ".join([trace if n == 0 else "", label] + [_cell(s[k], fmt) for k, _, fmt in COLUMNS]) + " |")
+            cells = [trace if n == 0 else "", label] + [_cell(s[k], fmt) for k, _, fmt in COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
     for m in _published_models():
         lines.append("| " + " | ".join([f"{m} (published)", ""] + _published_cells(m)) + " |")
     return "\n".join(lines + [""] + [f"- {s}" for s in sources()])
