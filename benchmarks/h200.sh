@@ -12,7 +12,9 @@
 #   core   engine-core benchmark (issue 2) with a routing trace, its locality report and the measured cost model
 #   tiny   the same policy grid on the project's trained tiny model (real learned routing)
 #   routing  the policy grid on llada2-mini shapes driven by the routing proxy's trace (learned routing replayed at
-#          real expert sizes, `oled bench --routing`; about 310 s for one request; ROUTING_TRACE picks the trace)
+#          real expert sizes, `oled bench --routing`; ROUTING_TRACE picks the trace). Every request of the trace is
+#          replayed (ROUTING_PROMPTS=N: a sample of the first N, which the results state); a call's 10 minutes hold
+#          the whole grid of one request only, so narrow ROUTING_POLICIES or GRID_BUDGETS per call
 #   fused  `full` and `lru` (FUSED_POLICIES) at 100/40 % with torch's kernels (--no-fused) and with FUSED_FLAG
 #          (default --fused: every Triton kernel), back to back
 #   kernels  the Triton kernels against their torch references at llada2-mini shapes (benchmarks/kernels_bench.py;
@@ -120,7 +122,7 @@ if has routing; then
   timeout ${ROUTING_S:-540} python3 -m oled.cli bench --routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
     --random-weights llada2-mini --policies ${ROUTING_POLICIES:-$ALL_POLICIES,oled:waves=1} \
     --budgets ${GRID_BUDGETS:-1.0,0.6,0.4,0.25} \
-    --prompts ${ROUTING_PROMPTS:-1} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
+    ${ROUTING_PROMPTS:+--prompts $ROUTING_PROMPTS} --repeats ${ROUTING_REPEATS:-1} --warmup 1 --no-profile --no-progress $GRAPHS \
     ${ROUTING_FLAGS:-} --out $R/${ROUTING_OUT:-routing-grid} > $R/${ROUTING_OUT:-routing-grid}.log 2>&1
   echo "routing grid rc=$? in $(( $(date +%s) - start )) s"; tail -3 $R/${ROUTING_OUT:-routing-grid}.log
   keep ${ROUTING_OUT:-routing-grid}
@@ -133,7 +135,7 @@ if has capture; then
     echo "capture $slots rc=$?"; keep capture-$slots
     if [ "${CAPTURE_ROUTING:-1}" = 1 ]; then
       timeout ${CAPTURE_S:-120} python3 -m oled.cli bench --routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} \
-        --random-weights llada2-mini --policies lru,oled --budgets 0.6,0.4 --prompts 1 --repeats 1 --warmup 1 \
+        --random-weights llada2-mini --policies lru,oled --budgets 0.6,0.4 --repeats 1 --warmup 1 \
         --no-profile --no-progress --no-bound $GRAPHS --capture-slots $slots --out $R/capture-routing-$slots \
         > $R/capture-routing-$slots.log 2>&1
       echo "capture routing $slots rc=$?"; keep capture-routing-$slots

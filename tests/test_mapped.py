@@ -448,8 +448,8 @@ def test_a_mapped_read_waits_until_every_routing_value_has_landed():
 
 def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     """ReplayManager.replay(before_mapped) is called once per layer decided on the mapped path, with that run's
-    routing and the residency not yet changed, and leaves the statistics as they are; benchmarks/prefetch_coverage.py
-    counts from it the misses the recorded prediction names."""
+    routing and the residency not yet changed, and leaves the statistics as they are; oled/trace/prefetch_coverage.py
+    (`oled trace --report TRACE --coverage`) counts from it the misses the recorded prediction names."""
     from pathlib import Path
 
     from oled.trace import Trace
@@ -473,14 +473,15 @@ def test_the_replay_hook_and_the_prefetch_coverage_on_the_bundled_trace():
     misses = sum(len(set(trace.run_ids(run).reshape(-1).tolist()) - set(resident)) for run, _, resident in seen)
     assert misses == sum(r["experts_mapped"] for r in rows) > 0
 
-    coverage = benchmark_script("prefetch_coverage")
-    row = coverage.coverage(trace, "lru", "0.5", None, 2)
+    from oled.trace.prefetch_coverage import coverage
+
+    row = coverage(trace, "lru", "0.5", None, 2)
     assert 0 < row["misses"] <= misses and 0 <= row["named"] <= row["misses"]
     assert row["named_not_needed"] <= row["named_not_resident"]
 
 
 def test_the_iteration_ahead_coverage_on_the_bundled_trace():
-    """benchmarks/ahead_coverage.py: its misses are the replay's mapped experts; a longer look back names at least
+    """oled/trace/ahead_coverage.py (`oled trace --report TRACE --ahead`): its misses are the replay's mapped experts; a longer look back names at least
     as many of them and fetches at least as much; `both` is the union of the widest window and the block prior; the
     bytes are the counts at the given expert size."""
     from pathlib import Path
@@ -490,7 +491,7 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    ahead = benchmark_script("ahead_coverage")
+    from oled.trace import ahead_coverage as ahead
     rows = {r["prediction"]: r for r in ahead.coverage(trace, "lru", "0.5", 2, [1, 3], expert_bytes=10**9)}
     assert list(rows) == ["recent:1", "recent:3", "block", "both"]
     replayed = replay_manager(trace, "lru", "0.5", mapped_rows=ahead.mapped_rows(True), capture_slots=2)
@@ -505,7 +506,7 @@ def test_the_iteration_ahead_coverage_on_the_bundled_trace():
 
 
 def test_the_token_prior_and_the_rows_behind_the_misses():
-    """benchmarks/ahead_coverage.py on a trace that carries the iterations' tokens: each row's input token is the
+    """oled/trace/ahead_coverage.py on a trace that carries the iterations' tokens: each row's input token is the
     prompt's or the request's output token once committed (where the output reaches), else the mask id; the token prior's union with recent
     names at least what either names and fetches at most both; every miss is used by some kind of row."""
     import oled
@@ -515,7 +516,7 @@ def test_the_token_prior_and_the_rows_behind_the_misses():
     llm = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full")
     prompt = llm.tokenizer.encode(PROMPT)
     trace, _ = record_trace(llm.engine, [("p", prompt)], DecodeParams(gen_length=16, block_length=8))
-    ahead = benchmark_script("ahead_coverage")
+    from oled.trace import ahead_coverage as ahead
     mask = int(trace.header["model"]["mask_token_id"])
     output = trace.output_ids(0)
     tokens = ahead.row_tokens(trace)
@@ -540,7 +541,7 @@ def test_the_token_prior_and_the_rows_behind_the_misses():
 
 
 def test_the_miss_bursts_on_the_bundled_trace(capsys):
-    """benchmarks/miss_bursts.py: every denoising iteration is in one step group, the groups' bytes are the replay's
+    """oled/trace/miss_bursts.py (`oled trace --report TRACE --bursts`): every denoising iteration is in one step group, the groups' bytes are the replay's
     mapped bytes and their shares add up to one, step 0 is each block's first iteration, and the heaviest tenth of
     the iterations holds at least its share."""
     from pathlib import Path
@@ -550,7 +551,7 @@ def test_the_miss_bursts_on_the_bundled_trace(capsys):
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    script = benchmark_script("miss_bursts")
+    from oled.trace import miss_bursts as script
     row = script.bursts(trace, "lru", "0.5", 2, expert_bytes=10**9, last_step=3)
     groups = row["by_step"]
     assert [g["step"] for g in groups] == [0, 1, 2, "3+"][: len(groups)] and len(groups) >= 2
@@ -566,8 +567,11 @@ def test_the_miss_bursts_on_the_bundled_trace(capsys):
     assert total == pytest.approx(row["mapped_gb_per_iteration"] * row["iterations"])
     assert total == pytest.approx(blob_reads) and total >= sum(r.experts_mapped for r in records) > 0
     assert 0.1 <= row["heaviest_tenth_share"] <= 1.0
-    assert script.main([str(root / "tests/data/tiny-code.trace"), "--budgets", "0.5", "--policies", "lru",
-                        "--capture-slots", "2", "--steps", "3", "--expert-mib", "953.67431640625"]) == 0
+    from oled.cli import main
+
+    assert main(["trace", "--report", str(root / "tests/data/tiny-code.trace"), "--bursts", "--budgets", "0.5",
+                 "--policies", "lru", "--capture-slots", "2", "--burst-steps", "3", "--expert-mib",
+                 "953.67431640625"]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(printed) == 1 and printed[0]["by_step"] == pytest.approx(groups)
 
@@ -601,7 +605,7 @@ def test_the_cooperative_mapped_estimate_on_the_bundled_trace():
 
 
 def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
-    """benchmarks/forced_misses.py: a layer routing to U distinct experts with S slots misses at least U - S, so the
+    """oled/trace/forced_misses.py (`oled trace --report TRACE --forced`): a layer routing to U distinct experts with S slots misses at least U - S, so the
     forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
     expert in a slot, and no more than belady's loads (or any policy's misses) in the same replay."""
     from pathlib import Path
@@ -612,7 +616,7 @@ def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
 
     root = Path(__file__).parents[1]
     trace = Trace.load(root / "tests/data/tiny-code.trace")
-    script = benchmark_script("forced_misses")
+    from oled.trace import forced_misses as script
     experts = trace.header["model"]["num_experts"]
     assert script.forced_misses(trace, "1.0", 1)["forced_misses_per_iteration"] == 0
     row = script.forced_misses(trace, "0.3", 1)

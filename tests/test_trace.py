@@ -223,16 +223,15 @@ def test_first_requests_of_a_trace(lru_trace, tmp_path, capsys):
 
 
 def test_the_runner_up_coverage_records_the_routers_next_ranks_on_the_bundled_model():
-    """benchmarks/runner_up_coverage.py: the wider routing's first k ids are the routed ones in every MoE run (checked
+    """oled/trace/runner_ups.py (`oled trace --runner-ups M,...`): the wider routing's first k ids are the routed ones in every MoE run (checked
     inside), one logged call per run; more runner-ups name at least as many new experts with at least as many
     candidates; every figure is a fraction where it should be."""
     from oled.config import EngineConfig
     from oled.decoding.params import DecodeParams
     from oled.engine import Engine
 
-    from .scripts import benchmark_script
+    from oled.trace import runner_ups as script
 
-    script = benchmark_script("runner_up_coverage")
     engine = Engine(EngineConfig(policy="full", expert_budget="1.0", device="cpu", dtype="float32"))
     prompt = engine.tokenizer.encode("def fibonacci(n):\n")
     trace, wide = script.record_with_runner_ups(engine, [("p", prompt)], DecodeParams(gen_length=32, block_length=16),

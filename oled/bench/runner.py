@@ -35,6 +35,7 @@ from ..runtime.budget import BudgetError, parse_budget
 from ..runtime.cost_model import CostModel
 from ..runtime.stats import RunStats
 from ..runtime.timer import SectionTimer
+from ..trace.selection import sampled_requests
 from . import workloads as wl_mod
 from .env import environment, now
 from .metrics import METRICS, aggregate, repeat_metrics, stats_metrics
@@ -323,20 +324,22 @@ class Bench:
         engine.set_routing_source(self.source)
         self.cfg = replace(self.cfg, decode=self.source.decode_params())
         h = trace.header
-        n = min(self.source.num_requests, self.cfg.prompts or self.source.num_requests)
+        n, sample = sampled_requests(self.source.num_requests, self.cfg.prompts)
         ids = h.get("requests") or [f"request-{r}" for r in range(n)]
         prompts = [wl_mod.Prompt(str(ids[r]), token_ids=self.source.prompt_ids(r)) for r in range(n)]
         recorded = h["model"]
         model_info["routing"] = {"trace": str(self.cfg.routing), "model": recorded.get("name"),
                                  "workload": (h.get("workload") or {}).get("name"), "requests": n,
+                                 "of_requests": self.source.num_requests, "sample": sample,
                                  "recorded_on": h.get("env", {}).get("label"), "date": h.get("date")}
         model_info["note"] = (f"routing and commits replayed from {self.cfg.routing} (learned routing of "
                               f"{recorded.get('name')}); "
-                              + ("random expert weights" if engine.cfg.random_weights else "the model's weights"))
+                              + ("random expert weights" if engine.cfg.random_weights else "the model's weights")
+                              + (f"; {sample}" if sample else ""))
         self._say(f"routing from {self.cfg.routing}: {trace.describe()}; decoding as recorded: "
-                  f"{_decode_dict(self.cfg.decode, engine)}")
+                  f"{_decode_dict(self.cfg.decode, engine)}" + (f"; {sample}" if sample else ""))
         return wl_mod.Workload(f"routing:{Path(self.cfg.routing).stem}", str(self.cfg.routing), prompts,
-                               {"trace": str(self.cfg.routing), "recorded": h.get("workload")})
+                               {"trace": str(self.cfg.routing), "recorded": h.get("workload"), "sample": sample})
 
     def _smallest_budget_guess(self) -> str:
         """The engine starts with `lru` at one expert slot per layer (cheapest to allocate, always valid); each run
@@ -616,12 +619,17 @@ class Bench:
 
         cfg = self.cfg
         trace = Trace.load(cfg.replay)
+        n, sample = sampled_requests(trace.num_requests, cfg.prompts)
+        trace = trace.first_requests(n)
+        if sample:
+            self._say(f"replay of {cfg.replay}: {sample}")
         costs = CostModel.from_json(Path(cfg.cost_model).read_text()) if cfg.cost_model else None
         self.env = dict(environment("cpu"), label="replay (CPU)")
         h = trace.header
-        model = dict(h["model"], note=("random weights: routing differs from a trained model"
-                                       if h["model"].get("random_weights") else None))
-        wl = dict(h.get("workload") or {"name": "trace"}, trace=str(cfg.replay))
+        model = dict(h["model"], note="; ".join(filter(None, [
+            "random weights: routing differs from a trained model" if h["model"].get("random_weights") else None,
+            sample])) or None)
+        wl = dict(h.get("workload") or {"name": "trace"}, trace=str(cfg.replay), sample=sample)
         wl_name = wl.get("name", "trace")
         iters = int((trace.fwd_kind == 1).sum())
         committed = int((trace.ev_state == 2).sum())

@@ -22,11 +22,13 @@ def add_parser(sub) -> None:
     src.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
     src.add_argument("--random-weights", metavar="PRESET", help="random weights with a preset's shapes")
     src.add_argument("--replay", metavar="TRACE", help="replay a trace from `oled trace` through the policies "
-                                                       "(CPU simulation: hit rates, loads, CPU pairs; no timing)")
+                                                       "(CPU simulation: hit rates, loads, CPU pairs; no timing; "
+                                                       "all its requests unless --prompts N)")
     src.add_argument("--routing", metavar="TRACE",
                      help="run the model (e.g. --random-weights llada2-mini) with this trace's routing and commits "
                           "in place of its router's and decoder's: learned routing at the model's real expert sizes "
-                          "(the trace's requests and decoding settings are used; --prompts N takes the first N)")
+                          "(the trace's decoding settings and all its requests are used; --prompts N takes the "
+                          "first N and the results say so)")
     src.add_argument("--render", metavar="DIR", help="only re-render DIR/report.md and plots from DIR/results.jsonl")
     g = p.add_argument_group("grid")
     g.add_argument("--policies", default="full,lru",
@@ -36,7 +38,9 @@ def add_parser(sub) -> None:
                    help="comma-separated expert budgets: fractions, percentages or sizes (default: 1.0,0.6,0.4,0.25)")
     g.add_argument("--workload", default="code",
                    help="comma-separated workloads: code, math, chat, long, synthetic:LEN[:N] or a .jsonl file")
-    g.add_argument("--prompts", type=int, metavar="N", help="use at most N prompts of each workload")
+    g.add_argument("--prompts", type=int, metavar="N",
+                   help="use at most N prompts of each workload (--routing, --replay: default all the trace's "
+                        "requests; fewer is a sample the results state)")
     g.add_argument("--repeats", type=int, default=3, help="timed passes per run (median and spread; default 3)")
     g.add_argument("--warmup", type=int, default=1, help="warm-up prompts per run, excluded (default 1)")
     g.add_argument("--out", default="oled-bench", help="output directory (default: oled-bench)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..policies.base import IterationEvent
-from .format import Trace
+from .format import KINDS, Trace
 
 CONF_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, None))
@@ -47,13 +47,23 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if len(values) else None
 
 
+def run_index(trace: Trace) -> dict[tuple[int, int], int]:
+    """(forward, MoE layer) -> the trace's run index."""
+    return {(int(f), int(l)): i for i, (f, l) in enumerate(zip(trace.run_forward, trace.run_layer))}
+
+
+def iteration_forwards(trace: Trace) -> list[int]:
+    """The denoising iterations' forwards, in order (prefills and cache fills left out)."""
+    return np.nonzero(trace.fwd_kind == KINDS.index("iteration"))[0].tolist()
+
+
 def locality(trace: Trace) -> dict:
     t = trace
     layers = t.layers
     model = t.header["model"]
     k, E = model["top_k"], model["num_experts"]
-    run_of = {(int(f), int(l)): i for i, (f, l) in enumerate(zip(t.run_forward, t.run_layer))}
-    iter_fwds = np.nonzero(t.fwd_kind == 1)[0].tolist()
+    run_of = run_index(t)
+    iter_fwds = iteration_forwards(t)
 
     sets: dict[tuple[int, int], np.ndarray] = {}
     unique = {l: [] for l in layers}

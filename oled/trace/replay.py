@@ -80,7 +80,7 @@ class ReplayManager:
 
     def replay(self, before_mapped=None) -> RunStats:
         """before_mapped(run, layer, ids): called before each layer decided on the mapped path, its residency not yet
-        changed (run: the trace's run index; an analysis hook, benchmarks/prefetch_coverage.py)."""
+        changed (run: the trace's run index; an analysis hook, oled/trace/prefetch_coverage.py)."""
         t, policy, res = self.trace, self.policy, self.residency
         static_log: list[tuple[int, np.ndarray]] = []
         all_resident = res.all_resident           # as the live manager's all-resident path

@@ -2,11 +2,14 @@
 benchmarks/ take the same two options. A routing proxy's experts are small (48 KiB), so its traces' bytes are
 rescaled to the experts `oled bench --routing` replays them on (6 MiB for LLaDA2.0-mini). The scripts that replay
 policies on the mapped path also share their trace, budget, policy, capture and cost-model arguments
-(add_replay_args, replay_costs)."""
+(add_replay_args, replay_costs). A grid on a trace (`oled bench --routing` / `--replay`) replays all its requests
+unless --prompts N asks for a sample, which it states (sampled_requests)."""
 from __future__ import annotations
 
 from ..config import EngineConfig
 from .format import Trace
+
+MIN_SAMPLE = 3      # fewer requests than this show one request's routing, not the trace's workload
 
 
 def add_replay_args(ap, policies: str, budgets: str = "0.6,0.4,0.25", costs: bool = True,
@@ -47,3 +50,17 @@ def selected_trace(path, requests: int | None) -> Trace:
 def expert_bytes(expert_mib: float | None, default: int) -> int:
     """--expert-mib in bytes, or `default` without it."""
     return default if expert_mib is None else int(expert_mib * 2**20)
+
+
+def sampled_requests(total: int, prompts: int | None) -> tuple[int, str | None]:
+    """How many of a trace's `total` requests a grid replays: all, unless `prompts` (--prompts N) asks for fewer;
+    and then the sentence that states the sample (None for all)."""
+    if prompts is None or prompts >= total:
+        return total, None
+    if prompts < 1:
+        raise ValueError(f"--prompts {prompts}: a grid on a trace replays at least one of its requests")
+    note = f"a sample of the trace's requests: the first {prompts} of {total}"
+    if prompts < MIN_SAMPLE:
+        note += f" (fewer than {MIN_SAMPLE}: the routing of {'one request' if prompts == 1 else 'two requests'}, " \
+                "not the trace's workload)"
+    return prompts, note

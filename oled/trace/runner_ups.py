@@ -1,34 +1,31 @@
-"""How many of the experts a layer newly routes to at the next denoising iteration its router had already ranked just
-below the top-k at this one, on a model run on the CPU (the bundled trained model by default: real learned routing).
+"""`oled trace --runner-ups M,...`: how many of the experts a layer newly routes to at the next denoising iteration
+its router had already ranked just below the top-k at this one, on a model run on this machine (the bundled trained
+model by default: real learned routing).
 
 An iteration-ahead prefetch needs a prediction of each layer's new experts. The routing history names few of them
-(benchmarks/ahead_coverage.py); the routers' runner-ups are the other candidate, and a replayed-routing trace does
-not record them, so this script decodes with the model's own router and records, for every MoE call, the top
-(k + M) experts of the same routing rule (LLaDA2's group limit included). Per pair of consecutive iterations of a
-block and per layer: new = the experts routed at t+1 and not at t; candidates(m) = the experts ranked k+1 .. k+m by
-some row at t and not routed at t. Reports, per m, the share of new experts among the candidates (recall), the
-candidates per layer and iteration, the share of candidates that are new (precision), and the recall that as many
-experts drawn at random from those not routed at t would reach.
-
-    python benchmarks/runner_up_coverage.py [--model DIR] [--workload code --prompts 2 --gen-length 64] \
-        [--runner-ups 1,2,4,8]
+(oled/trace/ahead_coverage.py); the routers' runner-ups are the other candidate, and a trace does not record them, so
+this records a trace with the model's own router and, for every MoE call, the top (k + M) experts of the same
+routing rule (LLaDA2's group limit included). Per pair of consecutive iterations of a block and per layer: new = the
+experts routed at t+1 and not at t; candidates(m) = the experts ranked k+1 .. k+m by some row at t and not routed at
+t. Reports, per m, the share of new experts among the candidates (recall), the candidates per layer and iteration,
+the share of candidates that are new (precision), and the recall that as many experts drawn at random from those not
+routed at t would reach.
 """
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import replace
 
 import numpy as np
 
-import oled.models.moe as moe
-from oled.trace import record_trace
-from oled.trace.format import KINDS
+from ..models import moe
+from . import record_trace
+from .format import KINDS
 
 
-def record_with_runner_ups(engine, prompts, params, extra: int):
+def record_with_runner_ups(engine, prompts, params, extra: int, **record_options):
     """A trace of `prompts` (no next-layer predictions) and, per MoE call in the trace's run order, the top
-    (k + extra) ids of the same routing rule [T, k + extra]."""
+    (k + extra) ids of the same routing rule [T, k + extra]. record_options go to record_trace (workload,
+    on_prompt)."""
     logged = []
     inner = moe.route
 
@@ -40,7 +37,7 @@ def record_with_runner_ups(engine, prompts, params, extra: int):
 
     moe.route = route
     try:
-        trace, _ = record_trace(engine, prompts, params, predictions=False)
+        trace, _ = record_trace(engine, prompts, params, predictions=False, **record_options)
     finally:
         moe.route = inner
     if len(logged) != len(trace.run_layer):
@@ -86,36 +83,3 @@ def coverage(trace, wide: list[np.ndarray], runner_ups: list[int]) -> list[dict]
              "recall": hits[m] / max(new_total, 1), "candidates_per_layer_iteration": candidates[m] / max(pairs, 1),
              "precision": hits[m] / max(candidates[m], 1), "random_recall": random_hits[m] / max(new_total, 1)}
             for m in runner_ups]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint directory (default: the bundled trained model)")
-    ap.add_argument("--workload", default="code")
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--gen-length", type=int, default=64)
-    ap.add_argument("--block-length", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.95)
-    ap.add_argument("--runner-ups", default="1,2,4,8", help="comma list of m (ranks k+1 .. k+m)")
-    args = ap.parse_args(argv)
-    runner_ups = sorted({int(m) for m in args.runner_ups.split(",")})
-    if runner_ups[0] < 1:
-        ap.error("--runner-ups: positive ranks")
-    from oled.bench.workloads import load
-    from oled.config import EngineConfig
-    from oled.decoding.params import DecodeParams
-    from oled.engine import Engine
-
-    engine = Engine(EngineConfig(model=args.model, policy="full", expert_budget="1.0", device="cpu",
-                                 dtype="float32"))
-    params = DecodeParams(gen_length=args.gen_length, block_length=args.block_length, threshold=args.threshold)
-    workload = load(args.workload, engine.tokenizer, limit=args.prompts)
-    prompts = [(p.id, p.ids(engine.tokenizer)) for p in workload.prompts]
-    trace, wide = record_with_runner_ups(engine, prompts, params, max(runner_ups))
-    for row in coverage(trace, wide, runner_ups):
-        print(json.dumps({"model": trace.header["model"].get("name"), **row}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

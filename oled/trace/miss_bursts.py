@@ -1,25 +1,20 @@
-"""How a policy's mapped-path bytes spread over the denoising iterations, replayed from a trace on the CPU: whether the
-misses come in a few bursts (a block's first iterations, when its all-mask positions route anew) or in every
-iteration. It tells where work on the critical path's bytes would have to act: on a block's first iterations only
-(the host round trip there, with the CPU's share of the misses), or inside every mapped forward.
-Per (policy, budget): the iterations grouped by their step in the block (0: the block's first; the last group holds
-every step from --steps on), each group's iterations, mean GB read from host memory an iteration and share of all
-the bytes read; and the share held by the heaviest tenth of the iterations. Bytes only, no timing.
-
-    python benchmarks/miss_bursts.py benchmarks/traces/proxy-chat.trace --requests 1 --expert-mib 6 --budgets 0.4 \
-        --policies oled-retain,belady
+"""`oled trace --report TRACE --bursts`: how a policy's mapped-path bytes spread over the denoising iterations,
+replayed on the CPU: whether the misses come in a few bursts (a block's first iterations, when its all-mask positions
+route anew) or in every iteration. It tells where work on the critical path's bytes would have to act: on a block's
+first iterations only (the host round trip there, with the CPU's share of the misses), or inside every mapped
+forward. Per (policy, budget): the iterations grouped by their step in the block (0: the block's first; the last
+group holds every step from --steps on), each group's iterations, mean GB read from host memory an iteration and
+share of all the bytes read; and the share held by the heaviest tenth of the iterations. Bytes only, no timing.
 """
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
 
 import numpy as np
 
-from oled.kernels.triton_moe import mapped_rows
-from oled.trace import Trace, selection
-from oled.trace.replay import replay_manager
+from ..kernels.triton_moe import mapped_rows
+from .format import Trace
+from .replay import replay_manager
 
 
 def block_steps(trace: Trace) -> dict[int, int]:
@@ -60,21 +55,5 @@ def bursts(trace: Trace, policy: str, budget: str, capture_slots: int, expert_by
             "heaviest_tenth_share": float(heaviest[:tenth].sum() / total) if total else 0.0}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    selection.add_replay_args(ap, policies="oled-retain,belady", budgets="0.4")
-    ap.add_argument("--steps", type=int, default=6, help="block steps shown one by one; later ones are grouped")
-    args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error("--steps: at least 1")
-    costs = selection.replay_costs(args.costs)
-    trace = selection.selected_trace(args.trace, args.requests)
-    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
-    for budget in args.budgets.split(","):
-        for policy in args.policies.split(","):
-            print(json.dumps(bursts(trace, policy, budget, args.capture_slots, size, args.steps, costs)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def rows(trace: Trace, policy: str, budget: str, opts) -> list[dict]:
+    return [bursts(trace, policy, budget, opts.capture_slots, opts.expert_bytes, opts.steps, opts.costs)]

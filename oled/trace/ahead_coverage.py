@@ -1,11 +1,10 @@
-"""How far copying the next iteration's misses during the current one could go, replayed from a trace on the CPU.
-On the mapped path an iteration's misses are read from host memory inside its MoE layers, in series with their
-compute; whatever the host could name one iteration ahead could instead be copied into slots while the current
-forward runs (a forward of `full` leaves the copy engine room for about 0.15 GB on the H200, BENCHMARKS.md section
-27). Per (policy, budget) and per prediction, over the mapped iterations: the misses, the share of them the
-prediction names, the experts it names that are not resident (what a prefetch would copy) and the share of those
-the layer then does not need, and both in GB per iteration at --expert-mib. The predictions use only what the host
-knows after an iteration:
+"""`oled trace --report TRACE --ahead`: how far copying the next iteration's misses during the current one could go,
+replayed on the CPU. On the mapped path an iteration's misses are read from host memory inside its MoE layers, in
+series with their compute; whatever the host could name one iteration ahead could instead be copied into slots while
+the current forward runs. Per (policy, budget) and per prediction, over the mapped iterations: the misses, the share
+of them the prediction names, the experts it names that are not resident (what a prefetch would copy) and the share
+of those the layer then does not need, and both in GB per iteration at --expert-mib. The predictions use only what
+the host knows after an iteration:
   recent:W  the experts the layer used in the W iterations before, that are not resident now;
   block     at a block's first iteration only: the experts the layer used at the previous block's first iteration;
   both      their union (recent at the widest W given);
@@ -17,23 +16,17 @@ The token predictions need the iterations' tokens (traces recorded since they ca
 also says which rows use the misses, as fractions of the misses that overlap (an expert may serve several kinds of
 row): masked rows, rows whose input token is new since the layer's last iteration, rows unchanged (the prompt's,
 tokens decoded earlier). Counts only, no timing.
-
-    python benchmarks/ahead_coverage.py benchmarks/traces/proxy-chat.trace --requests 1 --expert-mib 6 \
-        --budgets 0.6,0.4,0.25 --policies oled-retain --windows 1,2,4,8
 """
 from __future__ import annotations
 
-import argparse
-import json
 from collections import deque
 
 import numpy as np
 
-from oled.kernels.triton_moe import mapped_rows
-from oled.policies.base import IterationEvent
-from oled.trace import Trace, selection
-from oled.trace.format import BEGIN, EVENT, REQUEST
-from oled.trace.replay import replay_manager
+from ..kernels.triton_moe import mapped_rows
+from ..policies.base import IterationEvent
+from .format import BEGIN, EVENT, REQUEST, Trace
+from .replay import replay_manager
 
 
 def row_tokens(trace: Trace) -> list[np.ndarray]:
@@ -147,22 +140,5 @@ def coverage(trace: Trace, policy: str, budget: str, capture_slots: int, windows
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    selection.add_replay_args(ap, policies="oled-retain", costs=False)
-    ap.add_argument("--windows", default="1,2,4,8", help="comma list of W for recent:W (iterations looked back)")
-    args = ap.parse_args(argv)
-    trace = selection.selected_trace(args.trace, args.requests)
-    windows = sorted({int(w) for w in args.windows.split(",")})
-    if not windows or windows[0] < 1:
-        ap.error("--windows: positive iteration counts")
-    size = selection.expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"]))
-    for budget in args.budgets.split(","):
-        for policy in args.policies.split(","):
-            for row in coverage(trace, policy, budget, args.capture_slots, windows, size):
-                print(json.dumps(row), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def rows(trace: Trace, policy: str, budget: str, opts) -> list[dict]:
+    return coverage(trace, policy, budget, opts.capture_slots, opts.windows, opts.expert_bytes)
