@@ -77,7 +77,7 @@ record() {  # NAME WORKLOAD PROMPTS: the trace, its first requests where it is t
     elif [ $gen -gt $SHORT_GEN ]; then
       n=$3; gen=$SHORT_GEN; trace $t $2 $n $gen || { echo "trace $1 failed"; rm -f $t; return 1; }
     else
-      echo "trace $1 stays over $MAX_TRACE_MB MB: not kept"; rm -f $t; return 1
+      echo "trace $1 stays over $MAX_TRACE_MB MiB: not kept"; rm -f $t; return 1
     fi
   done
   echo "$1: $n requests of $gen tokens, $(( $(stat -c %s $t) / 1024 )) KiB, at $(elapsed) s"
