@@ -15,7 +15,7 @@ from oled.synth import preset_config
 from oled.models.router import sigmoid_group_route
 from oled.train import tiny
 from oled.train.checkpoint import load_checkpoint, official_state_dict, read_tensors, save_checkpoint
-from oled.train.corpus import build_corpus
+from oled.train.corpus import build_corpus, load_corpus_ids
 from oled.train.diffusion import WindowSampler, noise_blocks, pad_after_eos
 from oled.train.model import LLaDA2MoeModelLM, TinyConfig, bd_attention_mask
 
@@ -292,6 +292,21 @@ def add_heldout_if_missing(corpus, src, manifest):
     if not any(e["split"] == "heldout" for e in manifest["files"]):    # the tiny corpus needs a held-out file
         (corpus / "heldout.txt").write_text((src / "alpha.py").read_text() + "<|endoftext|>")
         (corpus / "heldout_ids.npy").unlink(missing_ok=True)
+
+
+def test_gzipped_corpus_with_a_given_tokenizer_loads_the_same_ids(tmp_path):
+    """The routing proxy's corpus travels as gzipped text with the bundled model's tokenizer (no ids): loading it
+    tokenizes the text with that tokenizer, to the ids a plain, tokenized corpus holds."""
+    plain = tiny_corpus(tmp_path)
+    src = tmp_path / "stdlib"
+    small = tmp_path / "small"
+    build_corpus(small, root=src, heldout_percent=50, tokenize=False, compress=True,
+                 tokenizer=plain / "tokenizer.json", verbose=False)
+    assert {p.name for p in small.iterdir()} >= {"train.txt.gz", "tokenizer.json", "manifest.json"}
+    assert not (small / "train.txt").exists() and not (small / "train_ids.npy").exists()
+    _, train_small, _ = load_corpus_ids(small)
+    _, train_plain, _ = load_corpus_ids(plain)
+    assert train_small.size > 0 and (train_small == train_plain).all()
 
 
 def test_quick_training_end_to_end(tmp_path):

@@ -43,10 +43,11 @@ class MoEBlock(nn.Module):
             ids, weights = self.routing_source.routing(self.layer_idx, ids, weights)
         return ids, weights
 
-    def predicted_routing(self, x: torch.Tensor):
-        """This layer's routing predicted from the previous layer's input x (what prefetching policies see)."""
+    def predicted_routing(self, x: torch.Tensor, ahead: int = 1):
+        """This layer's routing predicted from x, the input of the MoE layer `ahead` layers before it (what
+        prefetching policies see: the previous layer's)."""
         if self.routing_source is not None:
-            return self.routing_source.predicted(self.layer_idx, x)
+            return self.routing_source.predicted(self.layer_idx, x, ahead)
         return self.route(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

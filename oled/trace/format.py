@@ -10,8 +10,11 @@ One compressed NumPy archive (np.savez_compressed, any file name). `ops` is the 
                   token after the iteration (the committed token where committed)
 Per forward: kind, start position, token count and the block's start (rows map to block positions: block position
 = start + row - block start).
-Per run, optionally, the predicted routing of the next MoE layer (that layer's router applied to this layer's
-input, what `prefetch` policies see): rows pred_offset[i]:pred_offset[i+1] of pred_ids (empty for the last layer).
+Per run, optionally, the predicted routing of the MoE layers 1, 2 and 3 after it (each of those layers' router
+applied to this layer's input: what a prefetcher can know that many layers ahead; `prefetch` policies see distance
+1): rows pred_offset[i]:pred_offset[i+1] of pred_ids for distance 1, of pred2_ids / pred3_ids (by pred2_offset /
+pred3_offset) for distances 2 and 3; empty where no MoE layer is that far ahead. Predicted ids are uint8 where the
+model has at most 256 experts. Format 1 (read as well) has distance 1 only, as int16.
 Per request: prompt and output token ids. `header` is a JSON document: model shapes, engine and decoding settings,
 the workload, the live run's statistics (for the replay check), git commit, date.
 """
@@ -29,7 +32,9 @@ from ..policies.base import ForwardInfo, IterationEvent
 
 REQUEST, BEGIN, RUN, END, EVENT = range(5)
 KINDS = ("prefill", "iteration", "cache_fill")
-FORMAT = "oled-trace/1"
+FORMAT = "oled-trace/2"
+READABLE = ("oled-trace/1", FORMAT)     # 1: predictions one layer ahead only
+PREDICTION_DISTANCES = 3                # MoE layers ahead a recording predicts
 
 
 @dataclass
@@ -44,8 +49,8 @@ class Trace:
     run_offset: np.ndarray          # [R+1] int64
     ids: np.ndarray                 # [rows, k] int16
     weights: np.ndarray             # [rows, k] float32
-    pred_offset: np.ndarray         # [R+1] int64
-    pred_ids: np.ndarray            # [pred rows, k] int16
+    pred_offset: np.ndarray         # [R+1] int64: distance 1
+    pred_ids: np.ndarray            # [pred rows, k] uint8 or int16
     ev_forward: np.ndarray          # [V] int32: the iteration forward the event follows
     ev_block: np.ndarray
     ev_step: np.ndarray
@@ -63,6 +68,10 @@ class Trace:
     ev_token: np.ndarray = field(default=None)      # [sum B] int32: absent from traces recorded before it
     fwd_cpu_scale: np.ndarray = field(default=None)  # [F] float64: the scale of the CPU costs each forward planned
                                                      # on (runtime/cpu_feedback.py); absent: 1
+    pred2_offset: np.ndarray = field(default=None)   # [R+1] int64: predictions two MoE layers ahead (format 2)
+    pred2_ids: np.ndarray = field(default=None)
+    pred3_offset: np.ndarray = field(default=None)   # [R+1] int64: three MoE layers ahead
+    pred3_ids: np.ndarray = field(default=None)
 
     def __post_init__(self):
         if self.fwd_block_start is None:   # traces before it was recorded: blocks at multiples of the block length
@@ -122,9 +131,22 @@ class Trace:
     def run_weights(self, i: int) -> np.ndarray:
         return self.weights[self.run_offset[i]: self.run_offset[i + 1]]
 
-    def run_pred(self, i: int) -> np.ndarray | None:
-        a, b = self.pred_offset[i], self.pred_offset[i + 1]
-        return self.pred_ids[a:b] if b > a else None
+    @property
+    def prediction_distances(self) -> int:
+        """How many MoE layers ahead the trace records predictions (0: none)."""
+        if not self.has_predictions:
+            return 0
+        return max(d for d in range(1, PREDICTION_DISTANCES + 1) if getattr(self, pred_arrays(d)[1]) is not None)
+
+    def run_pred(self, i: int, ahead: int = 1) -> np.ndarray | None:
+        """The routing of the MoE layer `ahead` layers after run i's, predicted from run i's input (None: not
+        recorded, or no MoE layer that far ahead)."""
+        offset_name, ids_name = pred_arrays(ahead)
+        offset, ids = getattr(self, offset_name, None), getattr(self, ids_name, None)
+        if offset is None or ids is None:
+            return None
+        a, b = offset[i], offset[i + 1]
+        return ids[a:b] if b > a else None
 
     def event(self, j: int) -> IterationEvent:
         a, b = self.ev_offset[j], self.ev_offset[j + 1]
@@ -174,7 +196,13 @@ class Trace:
         F = int((ops[:, 0] == BEGIN).sum())
         R = int((ops[:, 0] == RUN).sum())
         V = int((ops[:, 0] == EVENT).sum())
-        rows, pred_rows, ev_rows = int(self.run_offset[R]), int(self.pred_offset[R]), int(self.ev_offset[V])
+        rows, ev_rows = int(self.run_offset[R]), int(self.ev_offset[V])
+        preds = {}
+        for d in range(1, PREDICTION_DISTANCES + 1):
+            offset_name, ids_name = pred_arrays(d)
+            offset, ids = getattr(self, offset_name), getattr(self, ids_name)
+            if offset is not None and ids is not None:
+                preds[offset_name], preds[ids_name] = offset[:R + 1], ids[:int(offset[R])]
         prompt_end, output_end = int(self.req_prompt_offset[n]), int(self.req_output_offset[n])
         header = dict(self.header, requests=list(self.header.get("requests", []))[:n],
                       subset=f"the first {n} of {self.num_requests} requests; `live` covers all of them")
@@ -183,7 +211,7 @@ class Trace:
                      fwd_cpu_scale=None if self.fwd_cpu_scale is None else self.fwd_cpu_scale[:F],
                      run_layer=self.run_layer[:R], run_forward=self.run_forward[:R],
                      run_offset=self.run_offset[:R + 1], ids=self.ids[:rows], weights=self.weights[:rows],
-                     pred_offset=self.pred_offset[:R + 1], pred_ids=self.pred_ids[:pred_rows],
+                     **preds,
                      ev_forward=self.ev_forward[:V], ev_block=self.ev_block[:V], ev_step=self.ev_step[:V],
                      ev_iteration=self.ev_iteration[:V], ev_done=self.ev_done[:V], ev_offset=self.ev_offset[:V + 1],
                      ev_state=self.ev_state[:ev_rows], ev_conf=self.ev_conf[:ev_rows],
@@ -215,8 +243,9 @@ class Trace:
         if "header" not in data or "ops" not in data:
             raise ValueError(f"{path}: not an oled trace (no header/ops)")
         header = json.loads(data.pop("header").tobytes().decode())
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{path}: trace format {header.get('format')!r}, this version reads {FORMAT!r}")
+        if header.get("format") not in READABLE:
+            raise ValueError(f"{path}: trace format {header.get('format')!r}, this version reads "
+                             f"{', '.join(map(repr, READABLE))}")
         missing = [a for a in ARRAYS if a not in data]
         if missing:
             raise ValueError(f"{path}: trace lacks {', '.join(missing)}")
@@ -226,8 +255,20 @@ class Trace:
 ARRAYS = ("ops", "fwd_kind", "fwd_start", "fwd_tokens", "run_layer", "run_forward", "run_offset", "ids", "weights",
           "pred_offset", "pred_ids", "ev_forward", "ev_block", "ev_step", "ev_iteration", "ev_done", "ev_offset",
           "ev_state", "ev_conf", "req_prompt_offset", "req_prompt_ids", "req_output_offset", "req_output_ids")
-OPTIONAL_ARRAYS = ("fwd_block_start", "ev_token", "fwd_cpu_scale")   # absent from older traces: the first
-                                                                     # derived on load
+OPTIONAL_ARRAYS = ("fwd_block_start", "ev_token", "fwd_cpu_scale",   # absent from older traces: the first
+                   "pred2_offset", "pred2_ids", "pred3_offset", "pred3_ids")   # derived on load
+
+
+def pred_arrays(ahead: int) -> tuple[str, str]:
+    """The names of the offset and id arrays of the predictions `ahead` MoE layers ahead."""
+    if not 1 <= ahead <= PREDICTION_DISTANCES:
+        raise ValueError(f"a trace records predictions 1 to {PREDICTION_DISTANCES} MoE layers ahead, not {ahead}")
+    return ("pred_offset", "pred_ids") if ahead == 1 else (f"pred{ahead}_offset", f"pred{ahead}_ids")
+
+
+def expert_id_dtype(num_experts: int):
+    """The smallest integer type that holds every expert id of a model."""
+    return np.uint8 if num_experts <= 256 else np.int16
 
 
 def _json_default(o):

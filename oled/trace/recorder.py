@@ -2,7 +2,9 @@
 
 Off by default: nothing is recorded unless `record()` (or `oled trace`) puts the recorder in place. The routing is
 kept on the device during a forward and moved to the host in one transfer per forward, like the manager's static
-path, so recording adds no host round trip per layer.
+path, so recording adds no host round trip per layer. With predictions, each MoE layer's input also goes through
+the routers of the PREDICTION_DISTANCES MoE layers after it (while recording only: the live manager runs the next
+layer's router alone, and only for policies that want it).
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import numpy as np
 import torch
 
 from ..decoding.loop import generate
-from .format import BEGIN, END, EVENT, FORMAT, KINDS, REQUEST, RUN, Trace
+from .format import (BEGIN, END, EVENT, FORMAT, KINDS, PREDICTION_DISTANCES, REQUEST, RUN, Trace, expert_id_dtype,
+                     pred_arrays)
 
 
 class TraceRecorder:
@@ -21,6 +24,7 @@ class TraceRecorder:
         self.manager = manager
         self.layers = list(manager.layers)
         self.predictions = predictions
+        self.distances = min(PREDICTION_DISTANCES, len(self.layers) - 1) if predictions else 0
         self.ops: list[tuple[int, int]] = []
         self.fwd_kind: list[int] = []
         self.fwd_start: list[int] = []
@@ -30,10 +34,11 @@ class TraceRecorder:
         self.run_layer: list[int] = []
         self.run_forward: list[int] = []
         self.run_rows: list[int] = [0]
-        self.pred_rows: list[int] = [0]
+        slots = max(self.distances, 1)       # distance 1's arrays exist (empty) without predictions too
+        self.pred_rows: list[list[int]] = [[0] for _ in range(slots)]            # per distance
         self.ids_chunks: list[np.ndarray] = []
         self.w_chunks: list[np.ndarray] = []
-        self.pred_chunks: list[np.ndarray] = []
+        self.pred_chunks: list[list[np.ndarray]] = [[] for _ in range(slots)]
         self.events: list[tuple] = []
         self.requests: list[dict] = []
         self._pending: list[tuple] = []
@@ -44,15 +49,13 @@ class TraceRecorder:
 
     # ----------------------------------------------------------------------------------------- manager calls
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared=None) -> torch.Tensor:
-        pred = None
-        if self.predictions:
-            pos = self.layers.index(layer) + 1
-            if pos < len(self.layers):
-                pred, _ = self.manager.predictors[self.layers[pos]](x)
+        pos = self.layers.index(layer)
+        ahead = self.layers[pos + 1: pos + 1 + self.distances]      # the MoE layers this input predicts
+        preds = [self.manager.predictors[later](x, ahead=d)[0] for d, later in enumerate(ahead, 1)]
         self.ops.append((RUN, len(self.run_layer)))
         self.run_layer.append(layer)
         self.run_forward.append(self._forward)
-        self._pending.append((ids, weights, pred))
+        self._pending.append((ids, weights, preds + [None] * (len(self.pred_rows) - len(preds))))
         return self.manager.run(layer, x, ids, weights, shared)
 
     def begin_forward(self, info) -> None:
@@ -95,26 +98,20 @@ class TraceRecorder:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        shapes = {tuple(ids.shape) for ids, _, _ in pending}
-        if len(shapes) == 1:
-            ids_host = torch.stack([p[0] for p in pending]).cpu().numpy()
-            w_host = torch.stack([p[1] for p in pending]).float().cpu().numpy()
-        else:
-            ids_host = [p[0].cpu().numpy() for p in pending]
-            w_host = [p[1].float().cpu().numpy() for p in pending]
-        preds = [p[2] for p in pending if p[2] is not None]
-        pred_host = iter(torch.stack(preds).cpu().numpy() if preds and len({tuple(t.shape) for t in preds}) == 1
-                         else [t.cpu().numpy() for t in preds])
-        for i, (_, _, pred) in enumerate(pending):
-            self.ids_chunks.append(np.asarray(ids_host[i], dtype=np.int16))
-            self.w_chunks.append(np.asarray(w_host[i], dtype=np.float32))
-            self.run_rows.append(self.run_rows[-1] + ids_host[i].shape[0])
-            if pred is not None:
-                p = np.asarray(next(pred_host), dtype=np.int16)
-                self.pred_chunks.append(p)
-                self.pred_rows.append(self.pred_rows[-1] + p.shape[0])
-            else:
-                self.pred_rows.append(self.pred_rows[-1])
+        ids_host = _to_host([p[0] for p in pending])
+        w_host = _to_host([p[1].float() for p in pending])
+        for ids, w in zip(ids_host, w_host):
+            self.ids_chunks.append(np.asarray(ids, dtype=np.int16))
+            self.w_chunks.append(np.asarray(w, dtype=np.float32))
+            self.run_rows.append(self.run_rows[-1] + ids.shape[0])
+        for d, (rows, chunks) in enumerate(zip(self.pred_rows, self.pred_chunks)):
+            host = iter(_to_host([p[2][d] for p in pending if p[2][d] is not None]))
+            for _, _, preds in pending:
+                if preds[d] is None:
+                    rows.append(rows[-1])
+                    continue
+                chunks.append(np.asarray(next(host), dtype=np.int16))
+                rows.append(rows[-1] + chunks[-1].shape[0])
 
     def to_trace(self, header: dict) -> Trace:
         self._flush()
@@ -127,8 +124,13 @@ class TraceRecorder:
             return np.cumsum([0] + [len(x) for x in lists]).astype(np.int64)
 
         ev = self.events
-        header = dict(header, format=FORMAT, predictions=self.predictions,
+        header = dict(header, format=FORMAT, predictions=self.predictions, prediction_distances=self.distances,
                       requests=[r["id"] for r in self.requests])
+        id_type = expert_id_dtype(header["model"]["num_experts"])
+        preds = {}
+        for d, (rows, chunks) in enumerate(zip(self.pred_rows, self.pred_chunks), 1):
+            offset_name, ids_name = pred_arrays(d)
+            preds[offset_name], preds[ids_name] = np.asarray(rows, dtype=np.int64), cat(chunks, id_type, k)
         return Trace(
             header=header,
             ops=np.asarray(self.ops, dtype=np.int32).reshape(-1, 2),
@@ -142,8 +144,7 @@ class TraceRecorder:
             run_offset=np.asarray(self.run_rows, dtype=np.int64),
             ids=cat(self.ids_chunks, np.int16, k),
             weights=cat(self.w_chunks, np.float32, k),
-            pred_offset=np.asarray(self.pred_rows, dtype=np.int64),
-            pred_ids=cat(self.pred_chunks, np.int16, k),
+            **preds,
             ev_forward=np.asarray([e[0] for e in ev], dtype=np.int32),
             ev_block=np.asarray([e[1] for e in ev], dtype=np.int32),
             ev_step=np.asarray([e[2] for e in ev], dtype=np.int32),
@@ -158,6 +159,13 @@ class TraceRecorder:
             req_output_offset=offsets([r["output_ids"] for r in self.requests]),
             req_output_ids=np.asarray([t for r in self.requests for t in r["output_ids"]], dtype=np.int32),
         )
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Device tensors to the host, in one transfer where they have one shape."""
+    if tensors and len({tuple(t.shape) for t in tensors}) == 1:
+        return list(torch.stack(tensors).cpu().numpy())
+    return [t.cpu().numpy() for t in tensors]
 
 
 def record(engine, prompts, params, *, predictions: bool = True, on_prompt=None) -> tuple[TraceRecorder, list]:

@@ -12,6 +12,7 @@ trip the misses a policy sends to the CPU count as read from host memory (Reside
 Prefetch: policies that want predictions get the next layer's predicted routing recorded in the trace (that
 layer's router applied to this layer's input, exactly what the live manager computes). A trace recorded without
 predictions falls back to the next layer's actual routing of the same forward (an oracle prediction), and says so.
+`ReplayManager.predicted(run, ahead)` gives the recorded predictions 1 to 3 MoE layers ahead the same way.
 """
 from __future__ import annotations
 
@@ -68,13 +69,17 @@ class ReplayManager:
                                                             for i, layer in enumerate(trace.run_layer))))
         self.prediction = "recorded" if trace.has_predictions else "oracle (next layer's actual routing)"
 
-    def _predicted(self, i: int, nxt: int) -> np.ndarray | None:
+    def predicted(self, i: int, ahead: int = 1) -> np.ndarray | None:
+        """The routing of the MoE layer `ahead` layers after run i's, predicted from run i's input: recorded, else
+        that layer's actual routing in the same forward (an oracle); None where there is no such layer."""
         t = self.trace
-        pred = t.run_pred(i)
+        pred = t.run_pred(i, ahead)
         if pred is not None:
             return pred
-        j = i + 1      # no recorded prediction: the next layer's actual routing in the same forward
-        if j < len(t.run_layer) and t.run_forward[j] == t.run_forward[i] and t.run_layer[j] == nxt:
+        j = i + ahead      # no recorded prediction: that layer's actual routing in the same forward
+        pos = self.residency.layer_pos
+        if (j < len(t.run_layer) and t.run_forward[j] == t.run_forward[i]
+                and pos[int(t.run_layer[j])] - pos[int(t.run_layer[i])] == ahead):
             return t.run_ids(j)
         return None
 
@@ -97,8 +102,8 @@ class ReplayManager:
                     res.decide_mapped(layer, ids, t.run_weights(arg).copy())
                     continue
                 predicted = None
-                if policy.wants_prediction and (nxt := res.next_layer(layer)) is not None:
-                    predicted = self._predicted(arg, nxt)
+                if policy.wants_prediction and res.next_layer(layer) is not None:
+                    predicted = self.predicted(arg)
                     predicted = None if predicted is None else predicted.astype(np.int64)
                 decide_layer(res, layer, ids, t.run_weights(arg).copy(), predicted)
             elif op == BEGIN:

@@ -19,7 +19,7 @@ import torch
 
 from ..decoding.params import DecodeParams
 from ..policies.base import ForwardInfo, IterationEvent
-from .format import KINDS, Trace
+from .format import KINDS, Trace, pred_arrays
 
 
 class TraceMismatch(ValueError):
@@ -92,12 +92,18 @@ class TraceSource:
         T = int(t.fwd_tokens.max()) if len(t.fwd_tokens) else 1
         self.ids_buf = torch.zeros(L, T, k, dtype=torch.int64, device=self.device)
         self.weights_buf = torch.zeros(L, T, k, dtype=torch.float32, device=self.device)
-        self.predictions = t.has_predictions and L > 1
-        if self.predictions:
-            if not np.array_equal(np.diff(t.pred_offset), np.where(t.run_layer == t.layers[-1], 0, rows)):
-                raise TraceMismatch("the trace's predicted routing does not cover every layer but the last")
-            self.pred_all = torch.from_numpy(t.pred_ids.astype(np.int64)).to(self.device)
-            self.pred_buf = torch.zeros(L, T, k, dtype=torch.int64, device=self.device)
+        # predictions d MoE layers ahead: pred_buf[d][p] is layer p's, from the input of layer p - d
+        self.pred_all: dict[int, torch.Tensor] = {}
+        self.pred_buf: dict[int, torch.Tensor] = {}
+        run_position = np.tile(np.arange(L), len(t.fwd_kind))      # runs are every layer in order (checked above)
+        for d in range(1, min(t.prediction_distances, L - 1) + 1):
+            offset_name, ids_name = pred_arrays(d)
+            if not np.array_equal(np.diff(getattr(t, offset_name)), np.where(run_position + d < L, rows, 0)):
+                raise TraceMismatch(f"the trace's routing predicted {d} MoE layers ahead does not cover every layer "
+                                    f"that has one that far ahead")
+            self.pred_all[d] = torch.from_numpy(getattr(t, ids_name).astype(np.int64)).to(self.device)
+            self.pred_buf[d] = torch.zeros(L, T, k, dtype=torch.int64, device=self.device)
+        self.predictions = 1 in self.pred_all
         self._request = self._forward = self._event = -1
         self._tokens = 0
 
@@ -155,9 +161,9 @@ class TraceSource:
         a = int(t.run_offset[self.first_run[f]])
         self.ids_buf[:, :T].copy_(self.ids_all[a:a + L * T].view(L, T, k), non_blocking=True)
         self.weights_buf[:, :T].copy_(self.weights_all[a:a + L * T].view(L, T, k), non_blocking=True)
-        if self.predictions:
-            p = int(t.pred_offset[self.first_run[f]])
-            self.pred_buf[1:, :T].copy_(self.pred_all[p:p + (L - 1) * T].view(L - 1, T, k), non_blocking=True)
+        for d, pred in self.pred_all.items():
+            p = int(getattr(t, pred_arrays(d)[0])[self.first_run[f]])
+            self.pred_buf[d][d:, :T].copy_(pred[p:p + (L - d) * T].view(L - d, T, k), non_blocking=True)
 
     def routing(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
         """The MoE layer's routing: the recorded ids and weights of this forward (the router's are discarded)."""
@@ -167,11 +173,12 @@ class TraceSource:
         p = self.position[layer]
         return self.ids_buf[p, :T], self.weights_buf[p, :T].to(weights.dtype)
 
-    def predicted(self, layer: int, x: torch.Tensor):
-        """What `prefetch` policies see for `layer` from the previous layer's input: the recorded prediction (the
-        layer's actual recorded routing if the trace has none)."""
+    def predicted(self, layer: int, x: torch.Tensor, ahead: int = 1):
+        """The routing of `layer` predicted from the input of the MoE layer `ahead` layers before it (`prefetch`
+        policies see ahead=1): the recorded prediction (the layer's actual recorded routing if the trace has none
+        that far ahead)."""
         p, T = self.position[layer], x.shape[0]
-        return (self.pred_buf if self.predictions else self.ids_buf)[p, :T], None
+        return self.pred_buf.get(ahead, self.ids_buf)[p, :T], None
 
     # ------------------------------------------------------------------------------------------ iterations
     def iteration(self, block: int, step: int, window_start: int, block_start: int, masked: np.ndarray):

@@ -5,22 +5,28 @@
 containing a special-token string), splits them train / held-out by a hash of the relative path (about 5 % held
 out), and writes into ``out_dir``:
 
-- ``train.txt`` / ``heldout.txt``: the files of each split in path order, each followed by ``<|endoftext|>``;
+- ``train.txt`` / ``heldout.txt``: the files of each split in path order, each followed by ``<|endoftext|>``
+  (``.txt.gz`` with ``--gzip``: a quarter of the size, for a corpus that has to travel);
 - ``manifest.json``: the exact selection (relative path, sha256, bytes, split) and the Python version;
-- ``tokenizer.json``: byte-level BPE trained on the train split (``tokenizer_train``);
-- ``train_ids.npy`` / ``heldout_ids.npy``: the token ids (uint16) of the two splits, EOS after every file.
+- ``tokenizer.json``: byte-level BPE trained on the train split (``tokenizer_train``), or a copy of ``--tokenizer``;
+- ``train_ids.npy`` / ``heldout_ids.npy``: the token ids (uint16) of the two splits, EOS after every file (not with
+  ``--no-tokenize``: the trainer then tokenizes the text when it loads it).
 
 The training host needs only this directory (``python -m oled.train.tiny --corpus DIR``).
 
-CLI: ``python -m oled.train.corpus --out data/stdlib-corpus [--vocab-size 6144]``.
+CLI: ``python -m oled.train.corpus --out data/stdlib-corpus [--vocab-size 6144]``; the routing proxy's corpus
+(the bundled model's data and tokenizer, small enough to carry): ``python -m oled.train.corpus --out
+data/proxy-corpus --no-tokenize --gzip --tokenizer oled/assets/tiny-model/tokenizer.json``.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import sysconfig
 import time
@@ -78,10 +84,30 @@ def encode_docs(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
+def _text_path(corpus_dir: Path, split: str, compressed: bool) -> Path:
+    return corpus_dir / f"{split}.txt{'.gz' if compressed else ''}"
+
+
+def _open_text(corpus_dir: Path, split: str, mode: str = "r", compressed: bool | None = None):
+    """A split's text file, plain or gzipped (compressed=None: whichever the directory has)."""
+    if compressed is None:
+        compressed = not _text_path(corpus_dir, split, False).is_file()
+    path = _text_path(corpus_dir, split, compressed)
+    return (gzip.open if compressed else open)(path, mode + "t", encoding="utf-8", newline="")
+
+
+def read_documents(corpus_dir: str | Path, split: str) -> list[str]:
+    """The documents of a split's text (train.txt or train.txt.gz), without their separators."""
+    with _open_text(Path(corpus_dir), split) as f:
+        return [t for t in f.read().split(EOS_TOKEN) if t]
+
+
 def build_corpus(out_dir: str | Path, *, vocab_size: int = 6144, heldout_percent: int = HELDOUT_PERCENT,
                  max_total_bytes: int = 30_000_000, root: str | Path | None = None,
-                 tokenize: bool = True, verbose: bool = True) -> dict:
-    """Write train/held-out text, manifest, tokenizer and token ids into out_dir; returns the manifest."""
+                 tokenize: bool = True, compress: bool = False, tokenizer: str | Path | None = None,
+                 verbose: bool = True) -> dict:
+    """Write train/held-out text (gzipped with compress), manifest, tokenizer (trained, or a copy of `tokenizer`)
+    and token ids (with tokenize) into out_dir; returns the manifest."""
     t0 = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,8 +121,8 @@ def build_corpus(out_dir: str | Path, *, vocab_size: int = 6144, heldout_percent
         split = split_of(rel, heldout_percent)
         entries.append({"path": rel, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "split": split})
         docs[split].append(text)
-    for split, name in (("train", "train.txt"), ("heldout", "heldout.txt")):
-        with open(out / name, "w", encoding="utf-8", newline="") as f:
+    for split in ("train", "heldout"):
+        with _open_text(out, split, "w", compressed=compress) as f:
             for text in docs[split]:
                 f.write(text)
                 f.write(EOS_TOKEN)
@@ -113,14 +139,19 @@ def build_corpus(out_dir: str | Path, *, vocab_size: int = 6144, heldout_percent
                    for s in docs},
         "files": entries,
     }
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        manifest["tokenizer"] = {"file": "tokenizer.json", "copied_from": str(tokenizer)}
     if tokenize:
-        tok = train_tokenizer(docs["train"], vocab_size=vocab_size, out_path=out / "tokenizer.json")
+        tok = (load_tokenizer(out / "tokenizer.json") if tokenizer is not None else
+               train_tokenizer(docs["train"], vocab_size=vocab_size, out_path=out / "tokenizer.json"))
         eos_id = tok.token_to_id(EOS_TOKEN)
         for split in docs:
             ids = encode_docs(tok, docs[split], eos_id)
             np.save(out / f"{split}_ids.npy", ids)
             manifest["counts"][split]["tokens"] = int(ids.size)
-        manifest["tokenizer"] = {"file": "tokenizer.json", "vocab_size": tok.get_vocab_size(), "type": "byte-level BPE"}
+        manifest["tokenizer"] = dict(manifest.get("tokenizer", {}), file="tokenizer.json",
+                                     vocab_size=tok.get_vocab_size(), type="byte-level BPE")
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     if verbose:
         c = manifest["counts"]
@@ -136,8 +167,7 @@ def load_corpus_ids(corpus_dir: str | Path, vocab_size: int = 6144):
     d = Path(corpus_dir)
     tok_path = d / "tokenizer.json"
     if not tok_path.is_file():
-        texts = (d / "train.txt").read_text(encoding="utf-8").split(EOS_TOKEN)
-        train_tokenizer([t for t in texts if t], vocab_size=vocab_size, out_path=tok_path)
+        train_tokenizer(read_documents(d, "train"), vocab_size=vocab_size, out_path=tok_path)
     tok = load_tokenizer(tok_path)
     eos_id = tok.token_to_id(EOS_TOKEN)
     arrays = []
@@ -146,8 +176,7 @@ def load_corpus_ids(corpus_dir: str | Path, vocab_size: int = 6144):
         if npy.is_file():
             arrays.append(np.load(npy))
         else:
-            texts = (d / f"{split}.txt").read_text(encoding="utf-8").split(EOS_TOKEN)
-            arrays.append(encode_docs(tok, [t for t in texts if t], eos_id))
+            arrays.append(encode_docs(tok, read_documents(d, split), eos_id))
     return tok, arrays[0], arrays[1]
 
 
@@ -157,10 +186,15 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=6144)
     p.add_argument("--heldout-percent", type=int, default=HELDOUT_PERCENT)
     p.add_argument("--max-total-mb", type=float, default=30.0)
-    p.add_argument("--no-tokenize", action="store_true")
+    p.add_argument("--no-tokenize", action="store_true", help="no token ids (the trainer tokenizes on loading)")
+    p.add_argument("--gzip", action="store_true", help="write the text gzipped (train.txt.gz, heldout.txt.gz)")
+    p.add_argument("--tokenizer", metavar="FILE", help="copy this tokenizer.json instead of training one")
     a = p.parse_args(argv)
+    if a.tokenizer and not Path(a.tokenizer).is_file():
+        p.error(f"--tokenizer {a.tokenizer}: no such file")
     build_corpus(a.out, vocab_size=a.vocab_size, heldout_percent=a.heldout_percent,
-                 max_total_bytes=int(a.max_total_mb * 1e6), tokenize=not a.no_tokenize)
+                 max_total_bytes=int(a.max_total_mb * 1e6), tokenize=not a.no_tokenize, compress=a.gzip,
+                 tokenizer=a.tokenizer)
     return 0
 
 
