@@ -1,4 +1,4 @@
-"""The routing proxy's metrics (BENCHMARKS.md, finding *Routing proxy*), from its training log and its traces.
+"""The routing proxy's metrics , from its training log and its traces.
 
     python benchmarks/proxy_metrics.py --train-log DIR/train_log.json --trace code=T1 --trace math=T2 \\
         [--block 8=T8 --block 16=T16 --block 24=T24 --block 32=T32] --out metrics.json
@@ -21,76 +21,37 @@ import sys
 import numpy as np
 
 from oled.trace import Trace
+from oled.trace.realism import CV_LAYER, realism
 
 PUBLISHED_UNIQUE = {8: 32, 16: 49, 24: 61, 32: 70}   # LLaDA2.0-mini, unique experts per layer per iteration (approx.)
 # LLaDA2.0-mini at block 32 (dMoE, arXiv 2605.30876; the LLaDA2.0-mini-CAP model card): (low, high) of each figure
 TARGETS = {"unique_experts_per_layer_iteration": (69.5 - 7.0, 69.5 + 7.0),
            "unique_experts_cv_step_to_step": (0.12, 0.22),
            "tokens_per_forward": (2.55 - 0.3, 2.55 + 0.3)}
-CV_LAYER = 10      # the layer dMoE reports the step-to-step variation at
 
 
-def block_unique_counts(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """|experts used by the block's own rows| per MoE layer per denoising iteration, with each count's request and
-    layer."""
-    counts, requests, layers = [], [], []
-    iteration = trace.fwd_kind == 1
-    for i in range(len(trace.run_layer)):
-        f = int(trace.run_forward[i])
-        if not iteration[f]:
-            continue
-        ids = trace.run_ids(i)
-        positions = trace.fwd_start[f] + np.arange(len(ids))
-        own = ids[positions >= trace.fwd_block_start[f]]
-        counts.append(len(np.unique(own)))
-        requests.append(int(trace.fwd_request[f]))
-        layers.append(int(trace.run_layer[i]))
-    return np.asarray(counts), np.asarray(requests), np.asarray(layers)
-
-
-def step_to_step_cv(counts: np.ndarray, requests: np.ndarray, layers: np.ndarray, layer: int | None = None) -> float:
-    """The coefficient of variation of the count over a request's iterations at one layer, averaged over requests
-    and layers (layer: that layer only)."""
-    cvs = [counts[sel].std() / counts[sel].mean()
-           for r in np.unique(requests) for l in (np.unique(layers) if layer is None else [layer])
-           if (sel := (requests == r) & (layers == l)).sum() > 1 and counts[sel].mean() > 0]
-    return float(np.mean(cvs)) if cvs else float("nan")
-
-
-def block_unique_experts(trace: Trace) -> dict:
-    """|experts used by the block's own rows| per MoE layer per denoising iteration: its distribution and its
-    step-to-step variation."""
-    c, requests, layers = block_unique_counts(trace)
-    return {"mean": float(c.mean()), "p10": float(np.percentile(c, 10)), "p50": float(np.percentile(c, 50)),
-            "p90": float(np.percentile(c, 90)), "samples": int(c.size),
-            "cv_step_to_step": step_to_step_cv(c, requests, layers),
-            f"cv_step_to_step_layer{CV_LAYER}": step_to_step_cv(c, requests, layers, CV_LAYER),
-            "by_request": [float(c[requests == r].mean()) for r in np.unique(requests)]}
-
-
-def tokens_per_forward(trace: Trace) -> float:
-    """Block positions committed per denoising forward (GenerationResult.tokens_per_forward: a request's last block
-    counts whole, past gen_length too)."""
-    iterations = int((trace.fwd_kind == 1).sum())
-    return float((trace.ev_state == 2).sum()) / max(iterations, 1)
-
-
-def generated_per_forward(trace: Trace) -> float:
-    """Output tokens per denoising forward."""
-    return len(trace.req_output_ids) / max(int((trace.fwd_kind == 1).sum()), 1)
+def figures(trace: Trace) -> dict:
+    """The gating figures of one trace, as `oled trace --report` defines them (oled/trace/realism.py): unique experts
+    per MoE layer per iteration forward, their step-to-step CV, output tokens per iteration, and the per-request
+    unique counts."""
+    rep = realism(trace)
+    o = rep["overall"]
+    return {"unique_experts_per_layer_iteration": o["unique_experts"], "unique_experts_block": o["unique_experts_block"],
+            "unique_experts_cv_step_to_step": o["unique_cv"], f"cv_layer{CV_LAYER}": o["unique_cv_layer10"],
+            "tokens_per_forward": o["tokens_per_forward"], "iterations": o["iterations"],
+            "generated_tokens": o["generated_tokens"],
+            "by_request": [r["unique_experts"] for r in rep["requests"]]}
 
 
 def gating(traces: list[Trace]) -> dict:
-    """The traces together against TARGETS: each figure with its range and whether it is inside."""
-    parts = [block_unique_counts(t) for t in traces]
-    offsets = np.cumsum([0] + [t.num_requests for t in traces])     # requests numbered across the traces
-    counts = np.concatenate([c for c, _, _ in parts])
-    requests = np.concatenate([r + o for (_, r, _), o in zip(parts, offsets)])
-    layers = np.concatenate([l for _, _, l in parts])
-    iterations = sum(int((t.fwd_kind == 1).sum()) for t in traces)
-    values = {"unique_experts_per_layer_iteration": float(counts.mean()),
-              "unique_experts_cv_step_to_step": step_to_step_cv(counts, requests, layers),
-              "tokens_per_forward": sum(float((t.ev_state == 2).sum()) for t in traces) / max(iterations, 1)}
+    """The traces together against TARGETS (each trace's figures weighted by its iterations): each figure with its
+    range and whether it is inside."""
+    parts = [figures(t) for t in traces]
+    weights = np.array([p["iterations"] for p in parts], dtype=np.float64)
+    pooled = lambda key: float(np.average([p[key] for p in parts], weights=weights))   # noqa: E731
+    values = {"unique_experts_per_layer_iteration": pooled("unique_experts_per_layer_iteration"),
+              "unique_experts_cv_step_to_step": pooled("unique_experts_cv_step_to_step"),
+              "tokens_per_forward": sum(p["generated_tokens"] for p in parts) / max(weights.sum(), 1.0)}
     return {key: {"value": v, "range": TARGETS[key], "inside": TARGETS[key][0] <= v <= TARGETS[key][1]}
             for key, v in values.items()}
 
@@ -139,15 +100,10 @@ def main(argv=None) -> int:
                                              "final_train_loss", "params", "expert_bias_abs_max", "recipe")},
         "heldout": {ratio: {"loss": v["loss"], "acc": v["acc"]} for ratio, v in heldout.items()},
         "config": log.get("config"),
-        "workloads": {name: {"requests": t.num_requests, "iterations": int((t.fwd_kind == 1).sum()),
-                             "generated_tokens": int(len(t.req_output_ids)),
-                             "threshold": t.header["decode"].get("threshold"),
-                             "tokens_per_forward": tokens_per_forward(t),
-                             "generated_per_forward": generated_per_forward(t),
-                             "unique_experts_per_layer_iteration": block_unique_experts(t)}
+        "workloads": {name: dict(figures(t), requests=t.num_requests,
+                                 threshold=t.header["decode"].get("threshold"))
                       for name, t in workloads.items()},
-        "unique_experts_by_block": {b: dict(block_unique_experts(t), published_llada2_mini=PUBLISHED_UNIQUE.get(b),
-                                            tokens_per_forward=tokens_per_forward(t))
+        "unique_experts_by_block": {b: dict(figures(t), published_llada2_mini=PUBLISHED_UNIQUE.get(b))
                                     for b, t in sorted(blocks.items())},
         "load_balance": load_balance(list(workloads.values()) or list(blocks.values())),
         "against_llada2_mini": gating(list(workloads.values())) if workloads else {},
@@ -157,16 +113,15 @@ def main(argv=None) -> int:
     print(f"held-out (mask ratio: loss / accuracy): "
           + ", ".join(f"{r}: {v['loss']:.3f} / {v['acc']:.3f}" for r, v in doc["heldout"].items()))
     for name, w in doc["workloads"].items():
-        u = w["unique_experts_per_layer_iteration"]
         print(f"{name}: {w['requests']} requests, {w['generated_tokens']} tokens, {w['iterations']} iterations at "
-              f"threshold {w['threshold']}, {w['tokens_per_forward']:.2f} tokens per forward "
-              f"({w['generated_per_forward']:.2f} generated), {u['mean']:.1f} unique experts per layer per iteration "
-              f"(by request {', '.join(f'{x:.1f}' for x in u['by_request'])}; step-to-step CV "
-              f"{u['cv_step_to_step']:.1%}, at layer {CV_LAYER} {u[f'cv_step_to_step_layer{CV_LAYER}']:.1%})")
+              f"threshold {w['threshold']}, {w['tokens_per_forward']:.2f} tokens per forward, "
+              f"{w['unique_experts_per_layer_iteration']:.1f} unique experts per layer per iteration "
+              f"(by request {', '.join(f'{x:.1f}' for x in w['by_request'])}; step-to-step CV "
+              f"{w['unique_experts_cv_step_to_step']:.1%}, at layer {CV_LAYER} {w[f'cv_layer{CV_LAYER}'] or 0:.1%})")
     for b, u in doc["unique_experts_by_block"].items():
-        print(f"block {b}: {u['mean']:.1f} unique experts per layer per iteration (p10 {u['p10']:.0f}, p90 "
-              f"{u['p90']:.0f}; LLaDA2.0-mini published ~{u['published_llada2_mini']}), "
-              f"{u['tokens_per_forward']:.2f} tokens per forward")
+        print(f"block {b}: {u['unique_experts_block']:.1f} unique experts per layer per iteration over the block's "
+              f"rows (LLaDA2.0-mini published ~{u['published_llada2_mini']}), {u['tokens_per_forward']:.2f} tokens "
+              f"per forward")
     lb = doc["load_balance"]
     print(f"load balance: {lb['mean']['used_share']:.1%} of experts used per layer, busiest expert "
           f"{lb['mean']['max_over_mean']:.2f}x the mean (worst layer {lb['worst_max_over_mean']:.2f}x), "

@@ -23,7 +23,7 @@ from oled.config import EngineConfig
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
 from oled.trace import record_trace
-from proxy_metrics import block_unique_experts, generated_per_forward, tokens_per_forward
+from proxy_metrics import figures
 
 TARGET = 2.55                 # LLaDA2.0-mini: tokens committed per forward (LLaDA2.0-mini-CAP model card)
 CALIBRATION = "chat:-1,math:-1,code:-1"
@@ -47,14 +47,12 @@ def measure(engine, prompts, threshold: float, gen_length: int, block_length: in
     params = DecodeParams(gen_length=gen_length, block_length=block_length, threshold=threshold)
     t0 = time.time()
     trace, _ = record_trace(engine, prompts, params, predictions=False)
-    unique = block_unique_experts(trace)
-    row = {"threshold": threshold, "tokens_per_forward": tokens_per_forward(trace),
-           "generated_per_forward": generated_per_forward(trace),
-           "iterations": int((trace.fwd_kind == 1).sum()),
-           "unique_experts_per_layer_iteration": unique["mean"], "unique_experts_cv": unique["cv_step_to_step"],
-           "seconds": round(time.time() - t0, 1)}
-    print(f"threshold {threshold:.4g}: {row['tokens_per_forward']:.2f} tokens per forward "
-          f"({row['generated_per_forward']:.2f} generated), {row['iterations']} iterations, "
+    fig = figures(trace)
+    row = {"threshold": threshold, "tokens_per_forward": fig["tokens_per_forward"], "iterations": fig["iterations"],
+           "unique_experts_per_layer_iteration": fig["unique_experts_per_layer_iteration"],
+           "unique_experts_cv": fig["unique_experts_cv_step_to_step"], "seconds": round(time.time() - t0, 1)}
+    print(f"threshold {threshold:.4g}: {row['tokens_per_forward']:.2f} tokens per forward, "
+          f"{row['iterations']} iterations, "
           f"{row['unique_experts_per_layer_iteration']:.1f} unique experts per layer per iteration "
           f"(CV {row['unique_experts_cv']:.1%}), {row['seconds']:.0f} s", file=sys.stderr, flush=True)
     return row
