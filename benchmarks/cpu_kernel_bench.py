@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from oled.bench.env import cpu_model
+from oled.env import cpu_model
 import torch.nn.functional as F
 
 from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes, make_cold_blobs

@@ -334,7 +334,10 @@ def router_case(tokens, *, device, timer, counter, hidden=HIDDEN, experts=EXPERT
 
 def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed=0, peak_gbps=PEAK_GBPS) -> dict:
     from oled.decoding.rules import predict as reference
-    from oled.kernels.triton_confidence import predict as kernel
+    from oled.decoding.rules import with_greedy
+    from oled.kernels.triton_confidence import greedy_confidence
+
+    kernel = with_greedy(greedy_confidence)
 
     g = torch.Generator(device=device).manual_seed(seed + rows)
     inputs = [(torch.randn(rows, vocab, device=device, generator=g) * 4, 0.0, None) for _ in range(copies)]
@@ -744,7 +747,7 @@ def linear_tiles(fields: dict[str, int] | None, rows: int, n: int, k: int):
 def environment() -> dict:
     import triton
 
-    from oled.bench.env import git_info
+    from oled.env import git_info
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "git": git_info()}

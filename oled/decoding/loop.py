@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-from ..policies.base import ForwardInfo, IterationEvent
+from ..policies.contract import ForwardInfo, IterationEvent
 from .kv_cache import CACHE_MODES
 from .params import DecodeParams
 from .procedure import procedure_for

@@ -12,10 +12,12 @@ import contextlib
 
 import torch
 
+from ..kernels.triton_confidence import greedy_confidence
 from ..models.config import ModelConfig
 from .graphs import ForwardGraphs
 from .kv_cache import KVCache
 from .rules import predict as torch_predict
+from .rules import with_greedy
 
 
 class ModelRunner:
@@ -57,8 +59,7 @@ class ModelRunner:
         self.model.use_fused_linear(bool(kernels.get("fused_linear")))
         self.predict = torch_predict
         if kernels.get("fused_confidence"):
-            from ..kernels.triton_confidence import predict
-            self.predict = predict
+            self.predict = with_greedy(greedy_confidence)
         self._drop_graphs()
 
     # ------------------------------------------------------------------------------------- expert backend

@@ -8,7 +8,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _git(*args: str) -> str | None:
