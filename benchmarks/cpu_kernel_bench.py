@@ -24,7 +24,8 @@ import torch
 from oled.env import cpu_model
 import torch.nn.functional as F
 
-from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes, make_cold_blobs
+from oled.runtime.cpu_calibration import make_cold_blobs
+from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes
 
 SHAPES = {"mini": (2048, 512), "flash": (4096, 1024)}
 

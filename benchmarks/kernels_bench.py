@@ -474,7 +474,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
     from oled.kernels.triton_moe import combine_pairs
     from oled.kernels.triton_norm import add_rms_norm, qk_norm_rope
     from oled.models.layers import RMSNorm, apply_rope, rope_cos_sin
-    from oled.runtime.manager import ExpertManager
+    from oled.runtime.compute import ExpertCompute
 
     g = torch.Generator(device=device).manual_seed(seed + tokens)
     bf = torch.bfloat16
@@ -508,7 +508,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
         return qk_norm_rope(q, k, v, *tables, qk_norms[0].weight, qk_norms[1].weight, 1e-6, positions, k_cache,
                             v_cache)
 
-    combine_ref = lambda y, w: ExpertManager.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731
+    combine_ref = lambda y, w: ExpertCompute.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731
     pairs = {
         "add_rms_norm": (norm_ref, lambda x, r: add_rms_norm(x, r, norm.weight, norm.eps), (x, residual)),
         "qk_norm_rope": (prologue_ref, prologue, tuple(caches[:2])),

@@ -77,7 +77,7 @@ class ModelRunner:
                 manager.use_shared_blob(block.layer_idx, block.shared.expert_blob())
         static = manager.all_resident
         if self.cuda_graphs and (static or self.offload_graphs):
-            self.graphs = ForwardGraphs(self.model, manager, backend=self.graph_backend, segmented=not static,
+            self.graphs = ForwardGraphs(self.model, manager.graph_hooks, backend=self.graph_backend, segmented=not static,
                                         max_graphs=self.max_graphs)
 
     def detach(self):

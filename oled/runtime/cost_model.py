@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..policies.costs import CostModel
-from .cpu_kernel import calibrate, call_overhead, l3_bytes, make_cold_blobs
+from .cpu_calibration import calibrate, call_overhead, make_cold_blobs
+from .cpu_kernel import l3_bytes
 from .grouped import grouped_swiglu
 
 log = logging.getLogger("oled")
