@@ -49,7 +49,7 @@ class CudaGraphBackend:
             self.stream = torch.cuda.Stream()
             # cuBLAS creates its handles on first use, which a capture does not allow. The eager forward before the
             # first capture used to create them, but one whose GEMMs all ran Triton kernels and that computed no
-            # logits (a short prompt's prefill with --fused-linear) never calls cuBLAS: the H200's TTFT run failed
+            # logits (a short prompt's prefill with --fused-linear) never calls cuBLAS: a TTFT run failed
             # so. One small GEMM of each kind, eagerly, creates the cuBLAS and cuBLASLt handles.
             a = torch.ones(16, 16, device="cuda")
             torch.mm(a, a)
