@@ -49,3 +49,14 @@ def test_the_runtime_never_writes_a_policys_context():
     costs = CostModel(expert_bytes=1, h2d_gbps=1.0, cpu_seconds={1: 1e-4})
     policy.plan_on(costs)
     assert policy.costs is costs and ctx.costs is None
+
+
+def test_the_runtime_implements_the_protocols_the_decoding_side_sees():
+    """ExpertManager is an ExpertBackend, its graph hooks are GraphHooks, the round trip its LayerSegments."""
+    from oled.runtime.backend import ExpertBackend, GraphHooks, LayerSegments
+    from oled.runtime.manager import ExpertManager, _GraphHooks
+    from oled.runtime.round_trip import RoundTrip
+
+    for protocol, cls in ((ExpertBackend, ExpertManager), (GraphHooks, _GraphHooks), (LayerSegments, RoundTrip)):
+        names = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+        assert names and all(callable(getattr(cls, n, None)) for n in names), (protocol.__name__, names)
