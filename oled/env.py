@@ -61,7 +61,7 @@ def _static_environment() -> dict:
     import numpy
     import torch
 
-    from .. import __version__
+    from . import __version__       # the package imports this module: a cycle at the top
 
     try:
         cpus_usable = len(os.sched_getaffinity(0))
