@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from ..kernels.triton_confidence import greedy_confidence
+from ..kernels import triton_confidence
 from ..models.config import ModelConfig
 from .graphs import ForwardGraphs
 from .kv_cache import KVCache
@@ -59,7 +59,7 @@ class ModelRunner:
         self.model.use_fused_linear(bool(kernels.get("fused_linear")))
         self.predict = torch_predict
         if kernels.get("fused_confidence"):
-            self.predict = with_greedy(greedy_confidence)
+            self.predict = with_greedy(triton_confidence.greedy_confidence)
         self._drop_graphs()
 
     # ------------------------------------------------------------------------------------- expert backend
