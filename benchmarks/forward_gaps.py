@@ -71,7 +71,9 @@ def measure(engine, decode, label: str) -> dict:
     # end_forward returned
     m = engine.manager
     host_marks: list[tuple[str, float]] = []
-    stamped_methods = ("_read_routing", "end_forward")
+    # (owner, method, the mark's name): the read-back wait of either path, and the forward's end
+    stamped = [(owner, "read_routing", "_read_routing") for owner in (m.round_trip, m.mapped_path) if owner is not None]
+    stamped.append((m, "end_forward", "end_forward"))
 
     def timed(ids, start, kv, kv_end, rows, **kw):
         host_marks.append(("forward", time.perf_counter()))
@@ -84,26 +86,31 @@ def measure(engine, decode, label: str) -> dict:
         marks.append((begin, end, host, rows is not None and (rows.start or 0) == 0))
         return out
 
-    for name in stamped_methods:
-        def stamped(*a, _inner=getattr(m, name), _name=name, **k):
+    for owner, name, mark in stamped:
+        def stamping(*a, _inner=getattr(owner, name), _name=mark, **k):
             out = _inner(*a, **k)
             host_marks.append((_name, time.perf_counter()))
             return out
-        setattr(m, name, stamped)
+        setattr(owner, name, stamping)
 
     # the host's time inside the steps of a mapped forward's decisions, summed over the generate
-    # (arm_capture: each layer's arming after its decision, and inside _prepare_device the layers left, if any)
-    summed = {"_await_routing": m, "_copy": m, "_prepare_device": m, "decide_mapped": m.residency,
-              "arm_capture": m.residency,
-              "_start_share": m, "_finish_share": m}      # the CPU's share: its job submitted, then waited for
+    # (arm_capture: each layer's arming after its decision, and inside _prepare_device the layers left, if any);
+    # name -> (owner, method)
+    mapped = m.mapped_path
+    summed = {"_await_routing": (mapped, "await_routing"), "_copy": (m.slots, "copy"),
+              "_prepare_device": (m.slots, "prepare"), "decide_mapped": (m.residency, "decide_mapped"),
+              "arm_capture": (m.residency, "arm_capture"),
+              # the CPU's share: its job submitted, then waited for
+              "_start_share": (mapped, "start_share"), "_finish_share": (mapped, "finish_share")}
+    summed = {name: (owner, method) for name, (owner, method) in summed.items() if owner is not None}
     host_sums = dict.fromkeys(summed, 0.0)
-    for name, owner in summed.items():
-        def summing(*a, _inner=getattr(owner, name), _name=name, **k):
+    for name, (owner, method) in summed.items():
+        def summing(*a, _inner=getattr(owner, method), _name=name, **k):
             t = time.perf_counter()
             out = _inner(*a, **k)
             host_sums[_name] += time.perf_counter() - t
             return out
-        setattr(owner, name, summing)
+        setattr(owner, method, summing)
 
     runner.forward = timed
     try:
@@ -111,10 +118,10 @@ def measure(engine, decode, label: str) -> dict:
         torch.cuda.synchronize()
     finally:
         del runner.forward                                   # the instance attributes shadowed the methods
-        for name in stamped_methods:
-            delattr(m, name)
-        for name, owner in summed.items():
+        for owner, name, _ in stamped:
             delattr(owner, name)
+        for owner, method in summed.values():
+            delattr(owner, method)
     tails = host_tails(host_marks, [steady for *_, steady in marks])
     forward, gap, launch = [], [], []
     for (b, e, host, steady), nxt in zip(marks, marks[1:] + [None]):

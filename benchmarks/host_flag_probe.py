@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oled.runtime.cpu_kernel import CpuExpertKernel, make_cold_blobs
+from oled.runtime.cpu_calibration import make_cold_blobs
+from oled.runtime.cpu_kernel import CpuExpertKernel
 
 LLADA2_MINI = (2048, 512)       # hidden, moe intermediate
 

@@ -334,7 +334,10 @@ def router_case(tokens, *, device, timer, counter, hidden=HIDDEN, experts=EXPERT
 
 def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed=0, peak_gbps=PEAK_GBPS) -> dict:
     from oled.decoding.rules import predict as reference
-    from oled.kernels.triton_confidence import predict as kernel
+    from oled.decoding.rules import with_greedy
+    from oled.kernels.triton_confidence import greedy_confidence
+
+    kernel = with_greedy(greedy_confidence)
 
     g = torch.Generator(device=device).manual_seed(seed + rows)
     inputs = [(torch.randn(rows, vocab, device=device, generator=g) * 4, 0.0, None) for _ in range(copies)]
@@ -471,7 +474,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
     from oled.kernels.triton_moe import combine_pairs
     from oled.kernels.triton_norm import add_rms_norm, qk_norm_rope
     from oled.models.layers import RMSNorm, apply_rope, rope_cos_sin
-    from oled.runtime.manager import ExpertManager
+    from oled.runtime.compute import ExpertCompute
 
     g = torch.Generator(device=device).manual_seed(seed + tokens)
     bf = torch.bfloat16
@@ -505,7 +508,7 @@ def norm_case(tokens, *, device, timer, counter, hidden=HIDDEN, seed=0) -> dict:
         return qk_norm_rope(q, k, v, *tables, qk_norms[0].weight, qk_norms[1].weight, 1e-6, positions, k_cache,
                             v_cache)
 
-    combine_ref = lambda y, w: ExpertManager.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731
+    combine_ref = lambda y, w: ExpertCompute.combine(SimpleNamespace(fused_combine=None), y, w)   # noqa: E731
     pairs = {
         "add_rms_norm": (norm_ref, lambda x, r: add_rms_norm(x, r, norm.weight, norm.eps), (x, residual)),
         "qk_norm_rope": (prologue_ref, prologue, tuple(caches[:2])),
@@ -744,7 +747,7 @@ def linear_tiles(fields: dict[str, int] | None, rows: int, n: int, k: int):
 def environment() -> dict:
     import triton
 
-    from oled.bench.env import git_info
+    from oled.env import git_info
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "git": git_info()}

@@ -116,26 +116,28 @@ def measure(engine: Engine, prompt_ids, params, label: str, hbm_gbps: float) -> 
     wall = time.perf_counter() - t0
     unique = m.stats.summary()["unique_experts_per_layer_iteration"]
     clock = HostClock()
-    clock.wrap(m, "decide_offloaded", "decide_offloaded (host step one)")
-    clock.wrap(m, "end_offloaded", "end_offloaded (host step two)")
-    clock.wrap(m, "_decide_mapped", "decide_mapped (the mapped path's host step, behind the forward)")
-    clock.wrap(m, "_settle_slots", "settle_slots (mapped: copies waited, slot map rewritten)")
-    clock.wrap(m, "_read_routing", "read_routing (waits for the read-back)")
+    clock.wrap(m.round_trip, "decide", "decide_offloaded (host step one)")
+    clock.wrap(m.round_trip, "finish", "end_offloaded (host step two)")
+    if m.mapped_path is not None:
+        clock.wrap(m.mapped_path, "decide", "decide_mapped (the mapped path's host step, behind the forward)")
+        clock.wrap(m.mapped_path, "read_routing", "read_routing (waits for the read-back)")
+    clock.wrap(m.slots, "settle", "settle_slots (mapped: copies waited, slot map rewritten)")
+    clock.wrap(m.round_trip, "read_routing", "read_routing (waits for the read-back)")
     clock.wrap(m.residency, "begin_layer", "residency.begin_layer (policy)")
     # between forwards: what the host does before a launch (the GPU may wait on it) and behind it
     clock.wrap(m, "begin_forward", "begin_forward (before the launch: slots settled, path, capture table)")
     clock.wrap(m, "launched", "launched (the bookkeeping deferred behind the launch)")
     clock.wrap(m.residency, "arm_capture", "residency.arm_capture")
     clock.wrap(m.policy, "on_iteration", "policy.on_iteration")
-    clock.wrap(m, "_issue_wave", "issue_wave")
+    clock.wrap(m.round_trip, "issue_wave", "issue_wave")
     # inside the two host steps: what is left of them beside the read-back, the policy and the waves
-    clock.wrap(m, "_copy", "copy (H2D copies issued)")
-    clock.wrap(m, "_wait_copies", "wait_copies (stream waits on copy events)")
-    clock.wrap(m, "_sync_slot_map", "sync_slot_map (device slot map rows)")
-    clock.wrap(m, "_mark_layer_done", "mark_layer_done (layer events)")
+    clock.wrap(m.slots, "copy", "copy (H2D copies issued)")
+    clock.wrap(m.slots, "wait_copies", "wait_copies (stream waits on copy events)")
+    clock.wrap(m.slots, "sync", "sync_slot_map (device slot map rows)")
+    clock.wrap(m.slots, "mark_layer_done", "mark_layer_done (layer events)")
     clock.wrap(m.residency, "prefetch", "residency.prefetch")
     clock.wrap(m.residency, "end_layer", "residency.end_layer")
-    clock.wrap(m, "_staging", "staging (pinned host buffers)")
+    clock.wrap(m.staging, "host", "staging (pinned host buffers)")
     if engine.graphs is not None:       # a segment's replay: one launch, so this is the host's cost of launching it
         from oled.decoding.graphs import _CudaSegment
         clock.wrap(_CudaSegment, "replay", "graph segment replay (launch)")

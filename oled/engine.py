@@ -16,7 +16,7 @@ from .models.config import config_from_dict, load_config
 from .policies import POLICIES, make_policy, policy_options
 from .runtime.budget import parse_budget
 from .runtime.cost_model import CostModel, load_or_measure
-from .runtime.host_memory import check_host_memory
+from .host_memory import check_host_memory
 from .runtime.manager import ExpertManager, check_cpu_wake
 from .runtime.threads import plan_threads
 from .runtime.timer import SectionTimer

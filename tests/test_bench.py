@@ -350,12 +350,12 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     from oled.config import EngineConfig
     from oled.decoding.params import DecodeParams
     from oled.engine import Engine
-    from oled.runtime.manager import ExpertManager
+    from oled.runtime.device_state import DeviceSlots
 
     bench = benchmark_script("offload_overhead")
     engine = Engine(EngineConfig(random_weights="tiny", device="cpu", dtype="float32", policy="lru",
                                  expert_budget="0.25"))
-    sync_slot_map = ExpertManager.__dict__["_sync_slot_map"]
+    sync_slot_map = DeviceSlots.__dict__["sync"]
     out = bench.measure(engine, engine.tokenizer.encode("def f(x):"), DecodeParams(gen_length=16, block_length=16),
                         "lru@0.25", float("nan"))
     host = out["host_ms_per_forward"]
@@ -364,7 +364,7 @@ def test_offload_overhead_times_the_host_steps_and_puts_the_methods_back():
     assert out["calls_per_forward"]["policy.on_iteration"] == 1.0          # one event a denoising forward
     assert 0 < out["decode_wall_ms_per_forward"] < out["wall_ms_per_forward"] and out["prefill_ms"] > 0
     assert "on_iteration" not in vars(engine.manager.policy)
-    assert "_sync_slot_map" not in vars(engine.manager) and ExpertManager.__dict__["_sync_slot_map"] is sync_slot_map
+    assert "sync" not in vars(engine.manager.slots) and DeviceSlots.__dict__["sync"] is sync_slot_map
     assert out["graph_replay_alone"] == []              # no CUDA graphs on the CPU
 
 

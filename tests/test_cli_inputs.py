@@ -10,7 +10,7 @@ import torch
 
 import oled
 from oled.cli import main
-from oled.runtime import host_memory
+from oled import host_memory
 from oled.runtime.threads import plan_threads
 
 TINY = ["--random-weights", "tiny", "--device", "cpu", "--gen-length", "4"]

@@ -300,7 +300,7 @@ def test_random_weights_preset_equals_written_checkpoint(tiny_ckpt):
 def test_grouped_compute_sees_one_layers_slots(tiny_ckpt, monkeypatch):
     """CUDA's grouped GEMM takes at most 1024 groups: each call must get one layer's slots, never the whole pool
     (the full pool of LLaDA2.0-mini is 19 x 256 slots; this failed on the H200 before the fix)."""
-    import oled.runtime.manager as manager_mod
+    import oled.runtime.compute as manager_mod
 
     seen = []
     real = manager_mod.grouped_swiglu

@@ -31,12 +31,12 @@ class _FakeLoad:
 def _slowdown(monkeypatch, needed: float, busy_times: list[float], pinned: bool = True) -> float:
     from types import SimpleNamespace
 
-    from oled.runtime import cost_model, cpu_kernel
+    from oled.runtime import cost_model
 
     _FakeLoad.made = []
     times = iter(busy_times)
     monkeypatch.setattr(cost_model, "_CopyLoad", lambda *a: _FakeLoad(*a, needed=needed))
-    monkeypatch.setattr(cpu_kernel, "calibrate", lambda *a, **k: {4: next(times)})
+    monkeypatch.setattr(cost_model, "calibrate", lambda *a, **k: {4: next(times)})
     store = SimpleNamespace(pinned=pinned, hidden=8, intermediate=4, dtype=None)
     return cost_model._cpu_slowdown_with_copies(store, None, "cuda", 50.0, alone_s=1e-4, jobs=8)
 

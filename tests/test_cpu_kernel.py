@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oled.runtime.cpu_kernel import CpuExpertKernel, calibrate, cpu_flags
+from oled.runtime.cpu_calibration import calibrate
+from oled.runtime.cpu_kernel import CpuExpertKernel, cpu_flags
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
 HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= cpu_flags()

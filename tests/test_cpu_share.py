@@ -125,8 +125,8 @@ def test_cooperative_policies_give_the_tokens_of_full(kernels, full_block, half_
         assert r.experts_captured <= r.experts_mapped      # the CPU's experts are never captured
         # the GPU's misses load first: a CPU expert loads only where every miss the GPU read did
         assert r.loads <= capacity - r.experts_hit
-    assert manager._share_errors.item() == 0
-    assert all(share.done.item() in (0, 1) for share in manager._shares.values())
+    assert manager.mapped_path.share_errors.item() == 0
+    assert all(share.done.item() in (0, 1) for share in manager.mapped_path.shares.values())
 
 
 def test_a_policy_that_loads_every_miss_gets_no_share(kernels, half_to_cpu):
@@ -136,11 +136,11 @@ def test_a_policy_that_loads_every_miss_gets_no_share(kernels, half_to_cpu):
 
 def test_a_combine_that_gave_up_fails_the_forward(kernels, half_to_cpu):
     manager = _llm("oled", "0.4", cpu_share=True).engine.manager
-    manager._check_share()                                 # nothing wrong: no error
-    manager._share_errors.fill_(2)
+    manager.mapped_path.check_share()                                 # nothing wrong: no error
+    manager.mapped_path.share_errors.fill_(2)
     with pytest.raises(RuntimeError, match="stopped waiting for the CPU's share"):
-        manager._check_share()
-    assert manager._share_errors.item() == 0
+        manager.mapped_path.check_share()
+    assert manager.mapped_path.share_errors.item() == 0
 
 
 def test_a_trace_with_a_cpu_share_replays_exactly(kernels, half_to_cpu):
@@ -199,7 +199,7 @@ def test_the_engine_holds_the_workers_after_forwards_with_cpu_work(kernels, monk
     llm = _llm("oled", "0.4", cpu_share=True)
     manager = llm.engine.manager
     seen = []                                           # per mapped forward: [held from its start, a CPU layer]
-    begin, layer = manager._share_hold.begin, manager._share_hold.layer
+    begin, layer = manager.mapped_path.share_hold.begin, manager.mapped_path.share_hold.layer
 
     def begin_logged():
         seen.append([begin(), False])
@@ -208,8 +208,8 @@ def test_the_engine_holds_the_workers_after_forwards_with_cpu_work(kernels, monk
     def layer_logged(cpu):
         seen[-1][1] |= bool(cpu)
         return layer(cpu)
-    monkeypatch.setattr(manager._share_hold, "begin", begin_logged)
-    monkeypatch.setattr(manager._share_hold, "layer", layer_logged)
+    monkeypatch.setattr(manager.mapped_path.share_hold, "begin", begin_logged)
+    monkeypatch.setattr(manager.mapped_path.share_hold, "layer", layer_logged)
     _generate(llm, gen_length=8)
     assert len(seen) > 2 and seen[0][0]
     assert [held for held, _ in seen[1:]] == [cpu for _, cpu in seen[:-1]]

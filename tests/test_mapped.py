@@ -1,4 +1,4 @@
-"""Mapped misses (EngineConfig.mapped_misses, ExpertManager.run_mapped): a denoising iteration's misses computed by the
+"""Mapped misses (EngineConfig.mapped_misses, runtime/mapped.py): a denoising iteration's misses computed by the
 fused MoE kernels from the expert store in host memory, with no host step inside the forward; the policy decides from
 each layer's routing once the forward is queued, and its loads fill slots for the next forwards. On the CPU through
 Triton's interpreter (tiny models, fp32): every policy gives `full`'s tokens, each forward starts with the device slot
@@ -50,8 +50,8 @@ def _assert_slot_map_is_the_tables(manager, where):
         row = np.full(manager.config.num_experts, -1)
         for e, slot in manager.cache.resident(layer).items():
             row[e] = slot
-        assert np.array_equal(manager.slot_map[pos].numpy(), row), (where, layer)
-        assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos]), (where, layer)
+        assert np.array_equal(manager.slots.slot_map[pos].numpy(), row), (where, layer)
+        assert np.array_equal(manager.slots.slot_map[pos].numpy(), manager.slots.ready[pos]), (where, layer)
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +90,10 @@ def test_every_policy_gives_the_tokens_of_full(kernels, full_block, policy, budg
     summary = manager.stats.summary()
     assert summary["cpu_pairs_per_iteration"] == 0
     assert summary["mapped_pairs_per_iteration"] > 0 and summary["loads_per_iteration"] > 0
-    # no per-layer event on the mapped path; every routing buffer a forward wrote is unset once read, and a new
+    # every routing buffer a mapped forward wrote is unset once read, and a new
     # request unsets what a forward cut short would have left
-    from oled.runtime.manager import MAPPED_UNSET
-    mapped = [ready for key, (_, ready, _, _) in manager._readback.items() if key[-1]]
-    assert mapped and all(ready is None for ready in mapped)
-    buffers = list(manager._mapped_buffers.values())
+    from oled.runtime.mapped import MAPPED_UNSET
+    buffers = list(manager.mapped_path.buffers.values())
     assert buffers and all((b == MAPPED_UNSET).all() for b in buffers)
     buffers[0].numpy().fill(3)
     manager.on_request_start()
@@ -131,11 +129,11 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
     llm = _llm(policy, budget, capture_slots=2)
     manager = llm.engine.manager
     R = manager.residency.capture_slots
-    assert R == 2 and manager.capture_table is not None
+    assert R == 2 and manager.slots.capture_table is not None
     armed_full = []
     arm = manager.residency.arm_capture
-    prepare = manager._prepare_device
-    write, writes = manager._write_device_state, []
+    prepare = manager.slots.prepare
+    write, writes = manager.slots.write, []
 
     def write_device_state():
         writes[-1] += 1
@@ -147,12 +145,12 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
         for pos, layer in enumerate(manager.layers):
             for e, slot in manager.cache.resident(layer).items():
                 assert torch.equal(manager.cache.pool[slot], manager.store.blob(layer, e)), (layer, e, slot)
-            assert np.array_equal(manager.slot_map[pos].numpy(), manager._ready[pos])
-            assert np.array_equal(manager.capture_table[pos].numpy(), manager._capture_host[pos])
+            assert np.array_equal(manager.slots.slot_map[pos].numpy(), manager.slots.ready[pos])
+            assert np.array_equal(manager.slots.capture_table[pos].numpy(), manager.slots.capture_host[pos])
         if mapped:
             # armed layer by layer as the decisions came (armed given) or all at once: the same table as arming
             # every layer afresh from the slots as they are now
-            table, armed_now = manager._capture_host.copy(), dict(manager.residency.armed)
+            table, armed_now = manager.slots.capture_host.copy(), dict(manager.residency.armed)
             afresh = arm(True)
             assert manager.residency.armed == armed_now
             for layer, slots in afresh.items():
@@ -162,8 +160,8 @@ def test_captured_misses_are_resident_with_their_weights_and_cross_pcie_once(ker
             prepared_after_decisions.append(armed is not None)
 
     prepared_after_decisions = []
-    manager._prepare_device = prepare_device
-    manager._write_device_state = write_device_state
+    manager.slots.prepare = prepare_device
+    manager.slots.write = write_device_state
     assert _generate(llm, gen_length=8) == full_block
     records = [r for r in manager.stats.records if r.kind == "iteration"]
     captured = sum(r.experts_captured for r in records)
@@ -288,7 +286,7 @@ def test_the_policy_bookkeeping_of_a_mapped_forward_runs_behind_its_launch(kerne
     wrap(manager, "launched", "launch")
     wrap(manager.policy, "on_iteration", "event")
     wrap(manager.residency, "begin_forward", lambda info, **k: "start " + info.kind)
-    wrap(manager.residency, "begin_layer", lambda *a, mapped=False, **k: "mapped" if mapped else "round trip")
+    wrap(manager.residency, "begin_layer", lambda *a, misses_served=False, **k: "mapped" if misses_served else "round trip")
     takes_mapped_path, forwards = manager.residency.takes_mapped_path, []
 
     def every_third_on_the_round_trip(info):     # both paths are exact: the choice only moves the bookkeeping
@@ -321,7 +319,7 @@ def test_a_mapped_forward_finds_its_device_state_set_behind_the_forward_before(k
     llm = _llm("lru", "0.5", capture_slots=2)
     manager = llm.engine.manager
     takes_mapped_path, begin_forward, prepare = (manager.residency.takes_mapped_path, manager.begin_forward,
-                                                 manager._prepare_device)
+                                                 manager.slots.prepare)
     paths, set_inside, inside = [], [], [False]
 
     def every_third_on_the_round_trip(info):
@@ -343,10 +341,10 @@ def test_a_mapped_forward_finds_its_device_state_set_behind_the_forward_before(k
         for pos, layer in enumerate(manager.layers):
             if manager.mapped_forward:
                 armed = [slot for slot, _ in manager.residency.armed[layer]]
-                assert manager.capture_table[pos].tolist() == armed + [-1] * (2 - len(armed))
+                assert manager.slots.capture_table[pos].tolist() == armed + [-1] * (2 - len(armed))
 
     manager.residency.takes_mapped_path = every_third_on_the_round_trip
-    manager._prepare_device = prepare_device
+    manager.slots.prepare = prepare_device
     manager.begin_forward = checked_begin_forward
     assert _generate(llm, gen_length=8) == full_block
     after_mapped = [i for i in range(1, len(paths)) if paths[i] and paths[i - 1]]
@@ -421,7 +419,7 @@ def test_a_mapped_read_waits_until_every_routing_value_has_landed():
     still unset is the value itself (a NaN weight of that pattern), so the wait is bounded either way."""
     from types import SimpleNamespace
 
-    from oled.runtime.manager import MAPPED_UNSET, ExpertManager
+    from oled.runtime.mapped import MAPPED_UNSET, MappedPath
 
     class ForwardEnd:
         """Stand-in for the forward's end event: the kernel's stores land at the `land`-th query, the forward is
@@ -437,11 +435,11 @@ def test_a_mapped_read_waits_until_every_routing_value_has_landed():
 
     buf = np.full((2, 6), MAPPED_UNSET, dtype=np.int32)
     end = ForwardEnd(buf, land=3, done=10)
-    ExpertManager._await_routing(SimpleNamespace(_forward_end=end), buf)
+    MappedPath.await_routing(SimpleNamespace(forward_end=end), buf)
     assert end.queries == 3 and (buf != MAPPED_UNSET).all()
     buf[:] = MAPPED_UNSET                                   # a value that never changes: the forward's end ends it
     end = ForwardEnd(buf, land=0, done=4)
-    ExpertManager._await_routing(SimpleNamespace(_forward_end=end), buf)
+    MappedPath.await_routing(SimpleNamespace(forward_end=end), buf)
     assert end.queries == 4 and (buf == MAPPED_UNSET).all()
 
 
@@ -658,7 +656,7 @@ def test_the_shared_expert_in_the_moe_kernels_on_every_path(kernels, policy, bud
         assert manager.mapped == mapped and manager.all_resident == (policy == "full")
         if in_moe:                       # the blob holds the weights, which are views of it
             block = llm.engine.model.moe_blocks()[0]
-            blob = manager.shared_blobs[block.layer_idx]
+            blob = manager.compute.shared_blobs[block.layer_idx]
             assert blob is block.shared.blob and block.shared.down_proj.weight.data_ptr() == (
                 blob.data_ptr() + 2 * block.shared.gate_proj.weight.numel() * blob.element_size())
         calls.clear()

@@ -23,6 +23,7 @@ from oled.policies import ForwardInfo, IterationEvent, LayerEvent, PolicyContext
 from oled.policies.reuse import CONFIDENCE_EDGES, ReuseCalibration, ReusePredictor, calibrate
 from oled.runtime.budget import ExpertBudget
 from oled.runtime.expert_cache import ExpertCache
+from oled.runtime.planner import split_misses
 from oled.runtime.residency import Residency
 from oled.runtime.stats import TIMINGS, RunStats
 from oled.trace import Trace, replay
@@ -226,7 +227,8 @@ def test_reuse_credit_buys_a_load_the_makespan_alone_would_not():
     expert_bytes = 6 * 2**20
     costs = balanced_costs(expert_bytes, seconds=50e-6)
     costs.h2d_gbps /= 2.0
-    ctx = PolicyContext(layers=[1], num_experts=16, capacity=4, top_k=1, expert_bytes=expert_bytes, costs=costs)
+    ctx = PolicyContext(layers=[1], num_experts=16, capacity=4, top_k=1, expert_bytes=expert_bytes, costs=costs,
+                        planner=split_misses)
     info = ForwardInfo(kind="iteration", start=0, tokens=2, block_start=0, block_length=2)
     decided = {}
     for name in ("lru", "oled"):
@@ -255,7 +257,8 @@ def test_waves_let_misses_beyond_the_free_slots_load():
     expert_bytes = 6 * 2**20
     costs = balanced_costs(expert_bytes, seconds=50e-6)
     costs.cpu_seconds = {1: 1e-3, 32: 1e-3}              # the CPU 20 x slower than a load
-    ctx = PolicyContext(layers=[1], num_experts=16, capacity=4, top_k=1, expert_bytes=expert_bytes, costs=costs)
+    ctx = PolicyContext(layers=[1], num_experts=16, capacity=4, top_k=1, expert_bytes=expert_bytes, costs=costs,
+                        planner=split_misses)
     demand = {0: 1, 1: 1, 2: 1, 3: 1, 8: 1, 9: 1, 10: 1}
     decided = {}
     for waves in (0, 1):

@@ -222,7 +222,7 @@ def test_cpu_policies_run_with_the_measured_cost_model_and_report_its_error():
 
 # ------------------------------------------------------------------------------ cooperative miss handling in policies
 def _ctx(capacity, cost, layers=(1,)):
-    return PolicyContext(layers=list(layers), num_experts=64, capacity=capacity, top_k=4,
+    return PolicyContext(layers=list(layers), num_experts=64, capacity=capacity, top_k=4, planner=split_misses,
                          expert_bytes=cost.expert_bytes, costs=cost)
 
 

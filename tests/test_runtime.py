@@ -180,7 +180,8 @@ def test_cpu_workers_are_woken_ahead_of_the_calls(wake):
     """With a CPU policy the kernel's workers are woken before they are needed: at each offloaded layer's routing
     read-back (layer, the default on CUDA), or held through each forward (forward); on a CPU device auto (the
     default) wakes them with each call (off); tokens never depend on it."""
-    from oled.runtime.manager import FORWARD_HOLD_S, LAYER_HOLD_S
+    from oled.runtime.mapped import FORWARD_HOLD_S
+    from oled.runtime.round_trip import LAYER_HOLD_S
 
     llm = make_llm("tiny", "tide", "0.5", cpu_wake=wake)
     kernel = llm.engine.manager.cpu_kernel

@@ -1,4 +1,4 @@
-"""The device slot map (runtime/manager.py): a layer's hits are computed from it before the host decides anything,
+"""The device slot map (runtime/device_state.py): a layer's hits are computed from it before the host decides anything,
 so it must agree with the host's slot tables after every layer, list only experts whose copies the compute waited
 for, and leave the host nothing to compute when nothing misses (CPU tensors stand in for the GPU)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ def make_llm(policy, budget):
 def host_row(manager, layer) -> np.ndarray:
     row = np.full(manager.config.num_experts, -1, dtype=np.int64)
     for e, s in manager.cache.resident(layer).items():
-        if s not in manager.pending_copy:
+        if s not in manager.slots.pending_copy:
             row[e] = s
     return row
 
@@ -29,16 +29,16 @@ def host_row(manager, layer) -> np.ndarray:
 def test_the_device_slot_map_agrees_with_the_host_tables_after_every_layer(policy, budget):
     llm = make_llm(policy, budget)
     m = llm.engine.manager
-    end, checked = m.end_offloaded, []
+    end, checked = m.round_trip.finish, []
 
     def checking_end(work, x, y_pairs):
         end(work, x, y_pairs)
         for layer in m.layers:           # this layer's row and the next one's (a prefetch writes it)
             pos = m.layer_pos[layer]
-            assert np.array_equal(m.slot_map[pos].numpy(), host_row(m, layer)), (layer, work.layer)
-            assert np.array_equal(m._ready[pos], host_row(m, layer))
+            assert np.array_equal(m.slots.slot_map[pos].numpy(), host_row(m, layer)), (layer, work.layer)
+            assert np.array_equal(m.slots.ready[pos], host_row(m, layer))
         checked.append(work.layer)
-    m.end_offloaded = checking_end
+    m.round_trip.finish = checking_end
     reference = make_llm("full", "1.0").generate(PROMPT, gen_length=48).token_ids
     assert llm.generate(PROMPT, gen_length=48).token_ids == reference
     assert len(checked) >= 2 * len(m.layers)
@@ -62,7 +62,7 @@ def test_a_budget_that_holds_every_expert_runs_the_all_resident_forward():
             calls[key] += 1
             return inner(*a)
         setattr(owner, name, counted)
-    counting(m, "decide_offloaded", "decide_offloaded")
+    counting(m.round_trip, "decide", "decide_offloaded")
     for name in ("decide", "on_forward", "on_iteration"):
         counting(m.policy, name, "policy")
     out = llm.generate(PROMPT, gen_length=48)
@@ -118,12 +118,12 @@ def test_nothing_missing_means_no_wave_after_the_hits():
     m = llm.engine.manager
     m.all_resident = False
     calls = {"load_wave": 0}
-    load_wave = m.load_wave
+    load_wave = m.round_trip.load_wave
 
     def counting_wave(*a):
         calls["load_wave"] += 1
         return load_wave(*a)
-    m.load_wave = counting_wave
+    m.round_trip.load_wave = counting_wave
     out = llm.generate(PROMPT, gen_length=48)
     reference = make_llm("full", "1.0").generate(PROMPT, gen_length=48).token_ids
     assert out.token_ids == reference
@@ -137,14 +137,14 @@ def test_an_expert_whose_copy_was_not_waited_for_is_computed_after_the_wait():
     m = llm.engine.manager
     layer = m.layers[0]
     expert, slot = next(iter(m.cache.resident(layer).items()))
-    m.pending_copy[slot] = object()          # a copy in flight (issued by _copy, which marks the layer changed)
-    m._slots_changed.add(layer)
-    m._sync_slot_map(layer)
-    assert m.slot_map[m.layer_pos[layer]][expert] == -1
-    del m.pending_copy[slot]                 # waited for (by _issue_wave, which marks it too)
-    m._slots_changed.add(layer)
-    m._sync_slot_map(layer)
-    assert m.slot_map[m.layer_pos[layer]][expert] == slot
+    m.slots.pending_copy[slot] = object()          # a copy in flight (issued by _copy, which marks the layer changed)
+    m.slots.changed.add(layer)
+    m.slots.sync(layer)
+    assert m.slots.slot_map[m.layer_pos[layer]][expert] == -1
+    del m.slots.pending_copy[slot]                 # waited for (by _issue_wave, which marks it too)
+    m.slots.changed.add(layer)
+    m.slots.sync(layer)
+    assert m.slots.slot_map[m.layer_pos[layer]][expert] == slot
 
 
 def test_a_hit_left_out_of_the_map_is_computed_in_the_first_wave():
@@ -162,14 +162,14 @@ def test_a_hit_left_out_of_the_map_is_computed_in_the_first_wave():
         expected = m.run(layer, x, ids, weights)
     pos = m.layer_pos[layer]
     left_out = int(ids[0, 0])
-    m._ready[pos, left_out] = -1                  # as if its copy had not been waited for when the layer started
-    m.slot_map[pos, left_out] = -1
+    m.slots.ready[pos, left_out] = -1                  # as if its copy had not been waited for when the layer started
+    m.slots.slot_map[pos, left_out] = -1
     waves = []
-    load_wave = m.load_wave
-    m.load_wave = lambda *a: (waves.append(a[2].clone()), load_wave(*a))
+    load_wave = m.round_trip.load_wave
+    m.round_trip.load_wave = lambda *a: (waves.append(a[2].clone()), load_wave(*a))
     with torch.inference_mode():
         assert torch.equal(m.run(layer, x, ids, weights), expected)
     assert len(waves) == 1
     served = waves[0].reshape(4, -1) >= 0
     assert served.equal(ids == left_out)           # exactly the pairs of the left-out hit
-    assert m.slot_map[pos, left_out] >= 0          # listed again once computed
+    assert m.slots.slot_map[pos, left_out] >= 0          # listed again once computed

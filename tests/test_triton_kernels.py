@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from oled.decoding.rules import predict as predict_reference
+from oled.decoding.rules import with_greedy
 from oled.models.router import decision_gaps
 from oled.models.router import sigmoid_group_route as route_reference
 from tests.triton_interpreter import compile_for_sm90, import_triton_for_the_interpreter, interpreted_kernels
@@ -41,7 +42,8 @@ def k():
     assert triton_support.interpreted(router_kernel.sigmoid_group_route_kernel)
     assert triton_support.interpreted(confidence_kernel.scan_kernel)
     yield SimpleNamespace(route=triton_router.sigmoid_group_route, route_logits=triton_router.sigmoid_group_route_logits,
-                          confidence=triton_confidence.greedy_confidence, predict=triton_confidence.predict,
+                          confidence=triton_confidence.greedy_confidence,
+                          predict=with_greedy(triton_confidence.greedy_confidence),
                           router=triton_router, conf=triton_confidence)
     mp.undo()
 

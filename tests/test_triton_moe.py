@@ -53,7 +53,7 @@ def fused(moe, x, pair_slots, pool, hidden, inter, **kw):
 
 
 def torch_path(x, pair_slots, pool, hidden, inter, slot_base=0):
-    """What ExpertManager._grouped does: grouped_swiglu, then the served rows copied to their pairs."""
+    """What ExpertCompute.grouped does: grouped_swiglu, then the served rows copied to their pairs."""
     k = pair_slots.shape[0] // x.shape[0]
     order, y = grouped_swiglu(x, torch.arange(pair_slots.shape[0]) // k, pair_slots, pool, hidden, inter,
                               slot_base=slot_base)
@@ -583,10 +583,10 @@ def test_fused_moe_in_the_engine_gives_the_same_tokens(moe, monkeypatch, policy,
                                                  (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("tokens,k,hidden", [(1, 1, 64), (5, 4, 96), (9, 8, 1536)])     # 1536: two column tiles
 def test_combine_equals_the_managers_torch_combine(moe, dtype, weights_dtype, tokens, k, hidden):
-    """combine_pairs: the weighted sum of each token's pairs, as ExpertManager.combine computes it in torch (fp32
+    """combine_pairs: the weighted sum of each token's pairs, as ExpertCompute.combine computes it in torch (fp32
     sums in routing order, one rounding), with and without the shared expert's output added (a second rounding);
     bf16 weights (LLaDA-MoE's) are widened as torch widens them."""
-    from oled.runtime.manager import ExpertManager
+    from oled.runtime.compute import ExpertCompute
 
     g = torch.Generator().manual_seed(tokens * hidden + k)
     y = torch.randn(tokens * k, hidden, generator=g).to(dtype)
@@ -594,7 +594,7 @@ def test_combine_equals_the_managers_torch_combine(moe, dtype, weights_dtype, to
     shared_out = torch.randn(tokens, hidden, generator=g).to(dtype)
     manager = SimpleNamespace(fused_combine=None)
     for add in (None, shared_out):
-        ref = ExpertManager.combine(manager, y, weights, add)
+        ref = ExpertCompute.combine(manager, y, weights, add)
         got = moe.module.combine_pairs(y, weights, add)
         assert got.dtype == dtype and got.shape == (tokens, hidden)
         if dtype == torch.float32:

@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from oled.bench.env import cpu_model
+from oled.env import cpu_model
 import torch.nn.functional as F
 
-from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes, make_cold_blobs
+from oled.runtime.cpu_calibration import make_cold_blobs
+from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes
 
 SHAPES = {"mini": (2048, 512), "flash": (4096, 1024)}
 

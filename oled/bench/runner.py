@@ -37,7 +37,7 @@ from ..runtime.stats import RunStats
 from ..runtime.timer import SectionTimer
 from ..trace.selection import sampled_requests
 from . import workloads as wl_mod
-from .env import environment, now
+from ..env import environment, now
 from .metrics import METRICS, aggregate, repeat_metrics, stats_metrics
 
 SCHEMA = "oled-bench/1"

@@ -4,18 +4,15 @@ A forward's shapes depend only on its token count, its key length (padded to a b
 it wants logits for: positions and the visible key end are device tensors (MoEDiffusionLM.run), so every block's
 iterations share one graph, and so do the blocks' first forwards. With every expert resident (`full`, or any policy
 at a budget that holds them all) a forward needs no host decision, so it is captured once and replayed: one launch
-instead of ~90 kernel launches per layer issued from Python. On the H200 an eager 4-layer LLaDA2.0-mini forward
-takes 10.5 ms of host time for 1.7 ms of GPU work (benchmarks/profile_forward.py); replays took `full` there from
-7.2 to 1.65 ms per token, and on the 20-layer model from 14.6 (graphs per block position) to 9.3 ms per iteration
-(BENCHMARKS.md section 6).
+instead of tens of kernel launches per layer issued from Python, whose host time otherwise bounds the decode.
 
 An offloaded forward needs the host twice per MoE layer: to decide (the routing picks copies and CPU jobs) and to
 finish (further waves, prefetches, CPU results). With `segmented` the forward is captured as segments that end
-where the manager needs the host: a replay runs a segment (attention, router, the routing's read-back, the hits
-computed from the device slot map), the manager's decisions eagerly while those hits run, which write the first
-wave's slot per pair into a buffer the next segment reads, that segment (the loads' grouped compute; skipped when
-the layer loads nothing), the manager's finish eagerly, which writes its rows into the pair outputs, and the next
-segment (the combine, the next attention, ...), and so on.
+where the runtime needs the host (runtime/backend.py LayerSegments): a replay runs a segment (attention, router,
+the routing's read-back, the hits computed from the device slot map), the decisions eagerly while those hits run,
+which write the first wave's slot per pair into a buffer the next segment reads, that segment (the loads' grouped
+compute; skipped when the layer loads nothing), the finish eagerly, which writes its rows into the pair outputs,
+and the next segment (the combine, the next attention, ...), and so on.
 
 Steady-state iterations (logits for every token run) are captured at their first use, any other shape at its
 second (a one-off shape would not repay its capture); captured shapes are replayed from then on. A replay runs the
@@ -32,6 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from ..runtime.backend import GraphHooks, LayerSegments
 from .kv_cache import KVCache
 
 log = logging.getLogger("oled")
@@ -51,7 +49,7 @@ class CudaGraphBackend:
             self.stream = torch.cuda.Stream()
             # cuBLAS creates its handles on first use, which a capture does not allow. The eager forward before the
             # first capture used to create them, but one whose GEMMs all ran Triton kernels and that computed no
-            # logits (a short prompt's prefill with --fused-linear) never calls cuBLAS: the H200's TTFT run failed
+            # logits (a short prompt's prefill with --fused-linear) never calls cuBLAS: a TTFT run failed
             # so. One small GEMM of each kind, eagerly, creates the cuBLAS and cuBLASLt handles.
             a = torch.ones(16, 16, device="cuda")
             torch.mm(a, a)
@@ -90,14 +88,14 @@ class _CudaSegment:
 class ForwardGraphs:
     """Runs model forwards, replaying the captured graphs of a (tokens, key length, rows) shape seen before.
 
-    The manager's static path logs each layer's routing on the device and reads it back once per forward; a capture
-    keeps the tensors it logged and hands them to the manager after every replay, so statistics are kept exactly as
-    in an eager forward. The offloaded path keeps its statistics on the host as it runs, replay or not.
+    The one-graph paths log each layer's routing on the device and read it back once per forward; a capture keeps
+    the tensors it logged and hands them back after every replay (GraphHooks.replayed), so statistics are kept
+    exactly as in an eager forward. The offloaded path keeps its statistics on the host as it runs, replay or not.
     """
 
-    def __init__(self, model, manager, backend=None, max_graphs: int = 8, max_seen: int = 4096,
+    def __init__(self, model, hooks: GraphHooks, backend=None, max_graphs: int = 8, max_seen: int = 4096,
                  segmented: bool = False):
-        self.model, self.manager = model, manager
+        self.model, self.hooks = model, hooks
         self.device = model.embed.weight.device
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_graphs, self.max_seen, self.segmented = max_graphs, max_seen, segmented
@@ -127,14 +125,14 @@ class ForwardGraphs:
             self.warmed = True
             return self.model(ids.to(self.device), start, kv, kv_end, rows, block_length=block_length)
         # the block length is a constant of the captured mask (MoEDiffusionLM.attention_mask): part of the key; so is
-        # the manager's path (a mapped forward is one segment, an offloaded one of the same shape is not)
+        # the forward's path (a mapped forward is one segment, an offloaded one of the same shape is not)
         key = (ids.shape[0], kv.key_len(kv_end), None if rows is None else (rows.start, rows.stop, rows.step),
-               block_length, self.manager.mapped_forward)
+               block_length, self.hooks.path())
         fwd = self.graphs.get(key)
         if fwd is not None:
             self.graphs.move_to_end(key)
             fwd.set_inputs(ids, start, kv_end)
-            out = fwd.replay(self.manager)
+            out = fwd.replay(self.hooks)
             self.replays += 1
             return out
         if key not in self.seen and not _steady(rows):
@@ -148,34 +146,28 @@ class ForwardGraphs:
         """Capture the forward segment by segment; each segment is replayed as soon as it is captured, so this
         forward's own result comes out of the graphs (and a host step in between sees real values)."""
         fwd = _Forward(self.backend, ids, start, kv_end, self.device)
-        mark = self.manager.routing_mark()
+        boundary = fwd.boundary(self.hooks.segments) if self.segmented else None
         try:
-            with self.backend.capturing():
+            with self.hooks.capture(boundary) as captured, self.backend.capturing():
                 try:
                     fwd.begin_segment()
-                    if self.segmented:
-                        self.manager.host_boundary = fwd.boundary(self.manager)
                     fwd.out = self.model.run(fwd.ids, fwd.positions, fwd.kv_end, kv, key[1], rows,
                                              block_length=block_length)
                     fwd.end_segment()
                 except BaseException:
                     # end the capture on its own stream before leaving it: an open capture makes the stream
                     # switch back, and every later launch, fail ("operation not permitted when stream is
-                    # capturing", seen on the H200), so the eager fallback below could not run
+                    # capturing"), so the eager fallback below could not run
                     fwd.abort()
                     raise
         except RuntimeError as e:                 # e.g. an operation that syncs with the host: stay eager
             # (host steps that already ran keep their effects: a failure past the first MoE layer of a segmented
             # capture counts those layers' statistics twice for this one forward)
             fwd.abort()
-            self.manager.take_routing(mark)
             self.enabled = False
             log.warning("CUDA graph capture failed, forwards run eagerly from now on: %s", str(e).splitlines()[0])
             return self.model(ids.to(self.device), start, kv, kv_end, rows, block_length=block_length)
-        finally:
-            self.manager.host_boundary = None
-        fwd.routing = self.manager.take_routing(mark)   # logged while capturing; handed back after every replay
-        self.manager.log_routing(fwd.routing)
+        fwd.routing = captured.routing            # handed back after every replay
         if len(self.graphs) >= self.max_graphs:
             _, old = self.graphs.popitem(last=False)
             old.release()
@@ -195,7 +187,7 @@ def _steady(rows: slice | None) -> bool:
 
 
 class _Decide:
-    """Host step one of an offloaded layer: the manager's decisions once the segment has read the routing back and
+    """Host step one of an offloaded layer: the decisions once the segment has read the routing back and
     computed the hits; the first wave's slot per pair goes into `load_slots`, which the next segment reads. That
     segment is skipped when the wave has nothing to compute."""
     __slots__ = ("layer", "x", "load_slots", "work")
@@ -204,20 +196,20 @@ class _Decide:
         self.layer, self.x, self.work = layer, x, None
         self.load_slots = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
 
-    def run(self, manager) -> bool:
-        self.work = manager.decide_offloaded(self.layer, self.x, self.load_slots)
+    def run(self, segments: LayerSegments) -> bool:
+        self.work = segments.decide(self.layer, self.x, self.load_slots)
         return self.work.loads_first
 
 
 class _Finish:
-    """Host step two: the manager's finish of the layer, writing into the pair outputs."""
+    """Host step two: the layer's finish, writing into the pair outputs."""
     __slots__ = ("decide", "y_pairs")
 
     def __init__(self, decide: _Decide, y_pairs):
         self.decide, self.y_pairs = decide, y_pairs
 
-    def run(self, manager) -> bool:
-        manager.end_offloaded(self.decide.work, self.decide.x, self.y_pairs)
+    def run(self, segments: LayerSegments) -> bool:
+        segments.finish(self.decide.work, self.decide.x, self.y_pairs)
         self.decide.work = None
         return True
 
@@ -276,7 +268,7 @@ class _Forward:
         self.steps.append(None)
         seg.replay()
 
-    def boundary(self, manager):
+    def boundary(self, segments: LayerSegments):
         def host_steps(layer, x, ids, weights, shared=None):
             # The segment so far issues this layer's routing read-back and computes its hits; it is captured and
             # replayed, so the host step sees real values. The decisions run eagerly (their slot buffer is
@@ -284,28 +276,28 @@ class _Forward:
             # segment of their own (captured even when this forward loads nothing: a later replay may); the finish
             # runs eagerly on the pair outputs; the combine opens the next segment. The shared expert is in the first
             # segment, with or behind the hits: the GPU computes it while the host decides.
-            y_pairs, shared_out = manager.begin_offloaded(layer, x, ids, weights, shared)
+            y_pairs, shared_out = segments.begin(layer, x, ids, weights, shared)
             self.end_segment()
             decide = self.steps[-1] = _Decide(layer, x, ids)
-            if not decide.run(manager):
+            if not decide.run(segments):
                 decide.load_slots.fill_(-1)     # the capture runs the segment: with nothing to compute in it
             self.begin_segment()
-            manager.load_wave(layer, x, decide.load_slots, y_pairs)
+            segments.load_wave(layer, x, decide.load_slots, y_pairs)
             self.end_segment()
             finish = self.steps[-1] = _Finish(decide, y_pairs)
-            finish.run(manager)
+            finish.run(segments)
             self.begin_segment()
-            return manager.combine(y_pairs, weights, shared_out)
+            return segments.combine(y_pairs, weights, shared_out)
         return host_steps
 
     @torch.inference_mode()
-    def replay(self, manager):
+    def replay(self, hooks: GraphHooks):
         run = True
         for seg, step in zip(self.segments, self.steps):
             if run:                 # a segment runs unless the host step before it says it has nothing to do
                 seg.replay()
-            run = step.run(manager) if step is not None else True
-        manager.log_routing(self.routing)
+            run = step.run(hooks.segments) if step is not None else True
+        hooks.replayed(self.routing)
         return self.out
 
     def abort(self) -> None:

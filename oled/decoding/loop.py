@@ -1,4 +1,4 @@
-"""The block-diffusion decoding loop (docs/DESIGN.md section 4.3). One loop; the rule and the cache mode are injected.
+"""The block-diffusion decoding loop. One loop; the rule and the cache mode are injected.
 
 Bookkeeping (canvas, block state) is NumPy on the host; each iteration moves one block of predictions to the host.
 """
@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-from ..policies.base import ForwardInfo, IterationEvent
+from ..policies.contract import ForwardInfo, IterationEvent
+from ..runtime.backend import ExpertBackend
 from .kv_cache import CACHE_MODES
 from .params import DecodeParams
 from .procedure import procedure_for
@@ -67,7 +68,8 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
     the forwards report their sections to (they run eagerly then). commits: a commit source (a TraceSource, its
     request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs."""
     config: ModelConfig = runner.config
-    device, manager, predict = runner.device, runner.experts, runner.predict
+    device, predict = runner.device, runner.predict
+    manager: ExpertBackend = runner.experts
     B = params.block_length or config.block_length
     procedure = procedure_for(config)
     rule = make_rule(params.rule, params.threshold)

@@ -12,10 +12,12 @@ import contextlib
 
 import torch
 
+from ..kernels import triton_confidence
 from ..models.config import ModelConfig
 from .graphs import ForwardGraphs
 from .kv_cache import KVCache
 from .rules import predict as torch_predict
+from .rules import with_greedy
 
 
 class ModelRunner:
@@ -57,8 +59,7 @@ class ModelRunner:
         self.model.use_fused_linear(bool(kernels.get("fused_linear")))
         self.predict = torch_predict
         if kernels.get("fused_confidence"):
-            from ..kernels.triton_confidence import predict
-            self.predict = predict
+            self.predict = with_greedy(triton_confidence.greedy_confidence)
         self._drop_graphs()
 
     # ------------------------------------------------------------------------------------- expert backend
@@ -76,7 +77,7 @@ class ModelRunner:
                 manager.use_shared_blob(block.layer_idx, block.shared.expert_blob())
         static = manager.all_resident
         if self.cuda_graphs and (static or self.offload_graphs):
-            self.graphs = ForwardGraphs(self.model, manager, backend=self.graph_backend, segmented=not static,
+            self.graphs = ForwardGraphs(self.model, manager.graph_hooks, backend=self.graph_backend, segmented=not static,
                                         max_graphs=self.max_graphs)
 
     def detach(self):

@@ -50,3 +50,14 @@ class CommitRule:
 
 def make_rule(name: str, threshold: float | None) -> CommitRule:
     return CommitRule(threshold if name == "threshold" else None)
+
+
+def with_greedy(greedy):
+    """A predict with the reference's signature over a greedy kernel (logits -> (x0, confidence)): the kernel at
+    temperature 0, the reference's sampling above (sampling is not the kernel's job)."""
+    def predict_greedy(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+        if temperature > 0:
+            return predict(logits, temperature, generator)
+        return greedy(logits)
+    return predict_greedy
+

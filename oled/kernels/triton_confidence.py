@@ -1,5 +1,5 @@
 """Greedy x0 and its confidence from LM-head logits without materialising a softmax: a drop-in for
-oled.decoding.rules.predict at temperature 0.
+oled.decoding.rules.predict at temperature 0 (rules.with_greedy makes the whole predict of it).
 
 For each row of logits [B, V] fp32: x0 = the argmax (lowest index on ties, like torch.argmax) and its
 probability softmax(logits)[x0] = 1 / sum(exp(logit - max)), from one pass over V (online max and sum; the
@@ -20,7 +20,7 @@ import torch
 
 from .triton_support import available, check_device, interpreted, multiprocessors
 
-__all__ = ["available", "greedy_confidence", "predict"]
+__all__ = ["available", "greedy_confidence"]
 
 # compiled: 2,048 fp32 a tile over 8 warps, two 16-byte loads per thread per tile
 _BLOCK, _NUM_WARPS = 2048, 8
@@ -29,16 +29,6 @@ _BLOCK_INTERPRETED = 4096
 # aim for this many programs per SM (8 warps each: a full SM), so that a few rows still keep enough loads in
 # flight on every SM; Triton does not software-pipeline these loads, so occupancy is what hides the latency
 _PROGRAMS_PER_SM = 8
-
-
-def predict(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Same signature and results as oled.decoding.rules.predict: the kernel at temperature 0, the reference's
-    sampling path otherwise (sampling is not this kernel's job)."""
-    if temperature > 0:
-        from oled.decoding.rules import predict as reference
-
-        return reference(logits, temperature, generator)
-    return greedy_confidence(logits)
 
 
 def greedy_confidence(

@@ -19,8 +19,9 @@ class MoEBlock(nn.Module):
                             if config.use_expert_bias else None)
         self.shared = (SwiGLU(config.hidden_size, config.shared_intermediate_size)
                        if config.num_shared_experts else None)
-        # Set by the engine: an object with run(layer_idx, x, ids, weights, shared) -> [T, H], the routed output plus
-        # shared(x), and shared_ahead(x, shared) -> the `shared` to pass (the ExpertManager).
+        # Set by the model runner: the expert backend (runtime/backend.py ExpertBackend: the ExpertManager or a
+        # stand-in), whose run(layer_idx, x, ids, weights, shared) -> [T, H] is the routed output plus shared(x),
+        # and shared_ahead(x, shared) -> the `shared` to pass.
         self.experts = None
         # Set for a trace replay (oled/trace/source.py): routing(layer_idx, ids, weights) -> the recorded routing,
         # which replaces the router's; predicted(layer_idx, x) -> the recorded prediction of this layer's routing.
@@ -51,7 +52,7 @@ class MoEBlock(nn.Module):
         return self.route(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the backend may start the shared expert now, beside the router (ExpertManager.shared_ahead)
+        # the backend may start the shared expert now, beside the router (ExpertBackend.shared_ahead)
         shared = self.experts.shared_ahead(x, self.shared) if self.shared is not None else None
         ids, weights = self.routing(x)
         return self.experts.run(self.layer_idx, x, ids, weights, shared)

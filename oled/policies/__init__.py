@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .belady import BeladyPolicy
-from .base import ForwardInfo, IterationEvent, LayerDecision, LayerEvent, Policy, PolicyContext
+from .base import Policy
+from .contract import ForwardInfo, IterationEvent, LayerDecision, LayerEvent, PolicyContext
 from .fiddler import FiddlerPolicy
 from .full import FullPolicy
 from .lfu import LFUPolicy

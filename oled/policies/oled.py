@@ -105,9 +105,9 @@ class OledPolicy(LRUPolicy):
         misses = event.misses
         if not misses:
             return [], []
-        if event.mapped:      # every miss served already: nothing to weigh (cooperative_split loads them all)
+        if event.misses_served:   # nothing to weigh (cooperative_split loads them all)
             return self.cooperative_split(event)
-        costs = self.ctx.costs
+        costs = self.costs
         # P(no row routed to e now routes to it next iteration) = prod over those rows of (1 - p): one bincount of
         # log(1 - p) over every (row, expert) pair (a row routes to an expert at most once)
         k = event.ids.shape[1]

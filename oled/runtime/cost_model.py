@@ -1,4 +1,5 @@
-"""The cost model of miss service: what loading an expert and computing one on the CPU take on this machine.
+"""The cost table's measurement (oled/policies/costs.py holds the table itself): what loading an expert and
+computing one on the CPU take on this machine.
 
 Nothing here is a constant: H2D bandwidth is timed with the store's own pinned blobs, CPU time per expert comes
 from the CPU kernel's `calibrate()` (cold weights, per tokens-per-expert), and the CPU slowdown while copies run
@@ -6,215 +7,34 @@ from the CPU kernel's `calibrate()` (cold weights, per tokens-per-expert), and t
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
-import json
 import logging
 import math
 import os
 import platform
+import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from ..policies.costs import CostModel
+from .cpu_calibration import calibrate, call_overhead, make_cold_blobs
+from .cpu_kernel import l3_bytes
+from .grouped import grouped_swiglu
 
 log = logging.getLogger("oled")
 
 COST_MODEL_VERSION = 12  # part of the cache key: a model measured by older code is measured again
 
 
-def _per_token_count(table: dict[int, float], keys: list[int], tokens: int) -> float:
-    """A per-expert time for `tokens` tokens from a table measured at a few token counts: linear between them,
-    proportional beyond the largest."""
-    if tokens <= keys[0]:
-        return table[keys[0]]
-    if tokens >= keys[-1]:
-        return table[keys[-1]] * tokens / keys[-1]
-    i = bisect.bisect_left(keys, tokens)
-    lo, hi = keys[i - 1], keys[i]
-    f = (tokens - lo) / (hi - lo)
-    return table[lo] * (1 - f) + table[hi] * f
-
-
-@dataclass
-class CostModel:
-    expert_bytes: int
-    h2d_gbps: float                       # expert blob copies into cache slots, GB/s
-    cpu_seconds: dict[int, float]         # tokens per expert -> seconds per expert (CPU kernel, cold weights)
-    cpu_call_seconds: float = 0.0         # fixed time of one kernel call (starting and joining its threads)
-    cpu_slowdown_with_copies: float = 1.0  # CPU time factor while H2D copies run concurrently
-    gpu_seconds: dict[int, float] = field(default_factory=dict)   # tokens per expert -> grouped-GEMM seconds per
-                                          # expert over the slot pool (empty: not measured, counted as 0)
-    copy_slowdown_with_cpu: float = 1.0   # H2D copy time factor while the CPU kernel runs (both read host DRAM)
-    transfer_seconds: float = 0.0         # fixed time of a layer's activation round trip to the CPU path
-    row_bytes: int = 0                    # bytes of one token's input sent to the host
-    pair_bytes: int = 0                   # bytes of one (token, expert) output sent back
-    mapped_seconds: float = 0.0           # GPU seconds a miss adds to the fused MoE kernels that read it from host
-                                          # memory (one token, compute included; 0: not measured)
-    source: str = "measured"
-
-    def load_seconds(self, n_experts: int) -> float:
-        return n_experts * self.expert_bytes / (self.h2d_gbps * 1e9)
-
-    def cpu_expert_seconds(self, tokens: int) -> float:
-        """Per-expert CPU time for `tokens` tokens, interpolated linearly between calibrated token counts."""
-        memo = self._cpu_memo
-        if tokens not in memo:        # the planner asks for every miss of every layer: a few token counts recur
-            memo[tokens] = _per_token_count(self.cpu_seconds, self._cpu_counts, tokens)
-        return memo[tokens]
-
-    def gpu_expert_seconds(self, tokens: int) -> float:
-        """Per-expert grouped-GEMM time on the device for `tokens` tokens (0 where it was not measured)."""
-        if not self.gpu_seconds:
-            return 0.0
-        memo = self._gpu_memo
-        if tokens not in memo:
-            memo[tokens] = _per_token_count(self.gpu_seconds, self._gpu_counts, tokens)
-        return memo[tokens]
-
-    def cpu_expert_seconds_of(self, tokens: np.ndarray) -> np.ndarray:
-        """cpu_expert_seconds of each token count (an int array): the very same values, from a lookup table."""
-        return self._lookup(self.cpu_expert_seconds, tokens)
-
-    def gpu_expert_seconds_of(self, tokens: np.ndarray) -> np.ndarray:
-        """gpu_expert_seconds of each token count (an int array)."""
-        return self._lookup(self.gpu_expert_seconds, tokens)
-
-    def _lookup(self, per_tokens, tokens: np.ndarray) -> np.ndarray:
-        """per_tokens of each count from a table of per_tokens(0 .. n-1), grown when a larger count is asked for: the
-        planner asks for every miss of every layer, a few small counts that recur."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        top = int(tokens.max()) if tokens.size else 0
-        table = self._tables.get(per_tokens.__name__)
-        if table is None or top >= table.size:
-            table = self._tables[per_tokens.__name__] = np.array([per_tokens(t) for t in range(max(2 * top + 1, 64))])
-        return table[tokens]
-
-    def cpu_transfer_seconds(self, rows: int, pairs: int) -> float:
-        """The activations' round trip of a layer with CPU work: its input rows to the host, the pairs' outputs
-        back, over the measured copy bandwidth, plus the measured fixed time."""
-        return self.transfer_seconds + (rows * self.row_bytes + pairs * self.pair_bytes) / (self.h2d_gbps * 1e9)
-
-    @cached_property
-    def _cpu_counts(self) -> list[int]:     # sorted once: the planner asks for every miss of every layer
-        return sorted(self.cpu_seconds)
-
-    @cached_property
-    def _gpu_counts(self) -> list[int]:
-        return sorted(self.gpu_seconds)
-
-    @cached_property
-    def _tables(self) -> dict[str, np.ndarray]:
-        return {}
-
-    @cached_property
-    def _cpu_memo(self) -> dict[int, float]:
-        return {}
-
-    @cached_property
-    def _gpu_memo(self) -> dict[int, float]:
-        return {}
-
-    def mapped_reads(self) -> "CostModel":
-        """This model as the mapped path's GPU side sees a miss: read inside the MoE kernels (mapped_seconds an
-        expert, its compute included) rather than copied, then computed; itself where mapped_seconds was not
-        measured. A copy pays a fixed cost per blob that a kernel's read does not, so small experts priced at the
-        copy make a CPU share look worth it where it is slower (docs/decisions.md: cpu-share-off)."""
-        if self.mapped_seconds <= 0:
-            return self
-        return replace(self, h2d_gbps=self.expert_bytes / self.mapped_seconds / 1e9, gpu_seconds={},
-                       source=f"{self.source}, misses read mapped")
-
-    def cpu_jobs_seconds(self, tokens) -> float:
-        """One kernel call over experts with these token counts (0 for none)."""
-        tokens = list(tokens)
-        return self.cpu_call_seconds + sum(map(self.cpu_expert_seconds, tokens)) if tokens else 0.0
-
-    def with_cpu_scale(self, scale: float) -> "CostModel":
-        """This model with its CPU kernel terms (per expert and per call) times `scale`: what the planner uses once
-        the engine has seen its CPU jobs run slower or faster than measured at start-up (runtime/cpu_feedback.py).
-        One model per scale is made, then kept."""
-        if scale == 1.0:
-            return self
-        scaled = self._scaled
-        if scale not in scaled:
-            scaled[scale] = replace(self, cpu_seconds={t: s * scale for t, s in self.cpu_seconds.items()},
-                                    cpu_call_seconds=self.cpu_call_seconds * scale,
-                                    source=f"{self.source}, CPU x{scale:.3g} as observed")
-        return scaled[scale]
-
-    @cached_property
-    def _scaled(self) -> dict[float, "CostModel"]:
-        return {}
-
-    def describe(self) -> str:
-        cpu = ", ".join(f"{self.cpu_seconds[t] * 1e6:.0f}" for t in sorted(self.cpu_seconds))
-        gpu = ", ".join(f"{self.gpu_seconds[t] * 1e6:.1f}" for t in sorted(self.gpu_seconds)) or "not measured"
-        mapped = f"{self.mapped_seconds * 1e6:.1f} µs/expert" if self.mapped_seconds > 0 else "not measured"
-        return (f"load {self.load_seconds(1) * 1e6:.0f} µs/expert ({self.h2d_gbps:.1f} GB/s), x"
-                f"{self.copy_slowdown_with_cpu:.2f} beside CPU jobs; CPU {cpu} µs/expert at "
-                f"{'/'.join(map(str, sorted(self.cpu_seconds)))} tokens + {self.cpu_call_seconds * 1e6:.0f} µs per "
-                f"call + {self.transfer_seconds * 1e6:.0f} µs activation round trip, x"
-                f"{self.cpu_slowdown_with_copies:.2f} while copying; GPU {gpu} µs/expert; mapped read {mapped} "
-                f"({self.source})")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        for key in ("cpu_seconds", "gpu_seconds"):
-            d[key] = {str(k): v for k, v in d[key].items()}   # JSON object keys
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        """A cost model from to_dict(); models written before the GPU and transfer terms existed read with them at
-        0 (a trace recorded then replays on the costs it was recorded with)."""
-        try:
-            d = dict(d)
-            d.pop("gpu_seconds_per_expert", None)    # version 5's unmeasured GPU term (always 0)
-            model = cls(**dict(d, cpu_seconds={int(k): float(v) for k, v in d["cpu_seconds"].items()},
-                               gpu_seconds={int(k): float(v) for k, v in d.get("gpu_seconds", {}).items()}))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"malformed cost model ({type(e).__name__}: {e})") from None
-        if not model.cpu_seconds:
-            raise ValueError("malformed cost model: no CPU times")
-        return model
-
-    @classmethod
-    def from_file(cls, path) -> "CostModel":
-        """A cost model's JSON file, or an `oled bench` results.jsonl (gzipped if it ends in .gz) whose first line
-        with a cost model gives it."""
-        from ..textfile import read_results
-
-        text = read_results(path)
-        if not str(path).removesuffix(".gz").endswith(".jsonl"):
-            return cls.from_json(text)
-        model = next((row["cost_model"] for row in map(json.loads, text.splitlines()) if row.get("cost_model")), None)
-        if model is None:
-            raise ValueError(f"{path}: no line carries a cost model")
-        return cls.from_dict(model)
-
-    @classmethod
-    def from_json(cls, text: str) -> "CostModel":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"malformed cost model: not JSON ({e})") from None
-        return cls.from_dict(d)
-
-
 def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float = 0.05) -> float:
     """Seconds to copy n expert blobs from the store into device memory, one copy per blob as the manager issues them,
-    the blobs taken from every layer in turn (expert i // L of layer i % L), as the engine loads from all of them (each
-    layer's copied at the same rate in a probe, so this guards against a layer unlike the rest). The least of at
-    least min_rounds rounds and min_seconds of copying, after one round untimed. On the GPU each round is timed with
-    CUDA events around copies queued behind a short GPU wait, so that the time is the copy engine's and not the
-    host's (docs/decisions.md: copy-rate-calibration)."""
+    the blobs taken from every layer in turn (expert i // L of layer i % L), as the engine loads from all of them (a
+    guard against a layer unlike the rest). The least of at least min_rounds rounds and min_seconds of copying, after
+    one round untimed. On the GPU each round is timed with CUDA events around copies queued behind a short GPU wait,
+    so that the time is the copy engine's and not the host's (host-clocked rounds without a warm-up read some
+    processes' copy rate at half its value)."""
     layers, experts = store.layers, store.config.num_experts
     n = min(n, len(layers) * experts)
     blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
@@ -243,7 +63,7 @@ def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float 
     return min(times)
 
 
-_QUEUE_CYCLES = 2_000_000     # GPU clock cycles (about 1 ms at H200 clocks): longer than queueing one round's copies
+_QUEUE_CYCLES = 2_000_000     # GPU clock cycles (about a millisecond): longer than queueing one round's copies
 
 
 def h2d_gbps(store, device, n: int | None = None) -> float:
@@ -256,9 +76,7 @@ def h2d_gbps(store, device, n: int | None = None) -> float:
 def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int = 20, rounds: int = 3) -> float:
     """Seconds per expert of the grouped SwiGLU over a slot pool (the GPU side of a layer), `tokens` tokens per
     expert. On the GPU the call is captured in a CUDA graph and its replays are timed (_replay_seconds): the engine
-    replays it in a graph, and timing eager calls measures the host's launches instead, several times the GPU's
-    time."""
-    from .grouped import grouped_swiglu
+    replays it in a graph, and timing eager calls measures the host's launches instead."""
 
     layer, n = store.layers[0], min(n_experts, store.config.num_experts)
     pool = torch.stack([store.blob(layer, e) for e in range(n)]).to(device)
@@ -316,7 +134,7 @@ def _time_mapped_read(store, device, n: int = 8, repeats: int = 10, rounds: int 
     if torch.device(device).type != "cuda" or not store.pinned:
         return 0.0
     try:
-        from ..kernels.triton_moe import fused_swiglu_pairs
+        from ..kernels.triton_moe import fused_swiglu_pairs     # Triton: an optional dependency
     except ImportError:
         return 0.0
     n = max(1, min(n, store.config.num_experts // 2))
@@ -354,8 +172,8 @@ def _time_transfer(store, device, rows: int, pairs: int, repeats: int = 9) -> fl
 class _CopyLoad:
     """Copies of expert blobs queued on a side stream, enough to outlast the CPU work timed beside them: what the copy
     engine does while the CPU kernel runs, with no host thread launching them (the engine queues its copies and goes
-    on). A thread that launched copies in rounds competed with the kernel's workers for the host's cores: one call on
-    the H200 measured the CPU x10.5 slower beside it, where others measured x1.1-1.6. `outlasted` says whether the
+    on). A thread that launched copies in rounds competed with the kernel's workers for the host's cores and made the
+    CPU's slowdown beside copies a measure of that contention instead. `outlasted` says whether the
     copies were still running when the CPU work ended (otherwise part of it ran alone)."""
 
     def __init__(self, store, device, h2d_gbps: float, seconds: float):
@@ -384,8 +202,6 @@ class _CopyLoad:
 def _cpu_slowdown_with_copies(store, kernel, device, h2d: float, alone_s: float, jobs: int) -> float:
     """The CPU kernel's time per expert (4 tokens, cold weights) while copies stream, over `alone_s`: the least of
     ROUNDS rounds, each under copies that outlast it (their length doubled until they do)."""
-    from .cpu_kernel import calibrate
-
     if not store.pinned:           # unpinned copies block the host: they never overlap the CPU kernel
         return 1.0
     seconds, busy = 0.5, []
@@ -407,10 +223,6 @@ def _cpu_slowdown_with_copies(store, kernel, device, h2d: float, alone_s: float,
 def _copy_slowdown_with_cpu(store, kernel, device, jobs: int, tokens: int = 4) -> float:
     """H2D copy time while the CPU kernel runs back-to-back calls over cold experts in a thread, over the time
     alone. The kernel's weights are made before the copies are timed, so what overlaps them is the kernel's reads."""
-    import threading
-
-    from .cpu_kernel import l3_bytes, make_cold_blobs
-
     n = 16
     alone = _time_copies(store, device, n)
     esize = store.expert_bytes
@@ -456,8 +268,8 @@ def monotone_in_tokens(table: dict[int, float]) -> dict[int, float]:
 
 def _copy_rate_of_two(first: float, last: float) -> float:
     """The copy rate measured at the start and at the end of the measurement, seconds apart: the faster, since other
-    work on the machine only ever slows copies (docs/decisions.md: copy-rate-calibration); a reading that moved is
-    said once."""
+    work on the machine only ever slows copies (some processes read a much lower rate at the start, for a cause
+    not found); a reading that moved is said once."""
     if max(first, last) > 1.2 * min(first, last):
         log.warning("cost model: the copy rate read %.1f GB/s at the start of the measurement and %.1f at its end; "
                     "the faster is kept", first, last)
@@ -465,8 +277,6 @@ def _copy_rate_of_two(first: float, last: float) -> float:
 
 
 def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostModel:
-    from .cpu_kernel import calibrate, call_overhead
-
     h2d_first = h2d_gbps(store, device)
     # calibrate() times back-to-back calls of 8 experts: take that call's share out of its per-expert times; the
     # engine calls the kernel once per layer, ms apart, after waking the workers (manager.py, EngineConfig.cpu_wake): the

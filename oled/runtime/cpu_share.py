@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost_model import CostModel
-from .planner import PlanInputs, split_misses
+from ..policies.contract import PlanInputs
+from ..policies.costs import CostModel
+from .planner import split_misses
 
 
 def cpu_share_table(costs: CostModel, num_experts: int, rows: int = 0) -> np.ndarray:

@@ -23,32 +23,14 @@ any split with CPU work can cost, every miss loads (no candidate is evaluated). 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .cost_model import CostModel
+from ..policies.contract import PlanInputs
+from ..policies.costs import CostModel
 
 EXACT_MAX = 8     # 2**8 candidate sets: tens of µs per layer
-
-
-@dataclass
-class PlanInputs:
-    tokens: dict[int, int]                  # miss expert -> tokens routed to it
-    rows: int = 0                           # the layer's input rows (sent to the host when there is CPU work)
-    free_slots: int = 0
-    max_loads: int | None = None
-    credit: dict[int, float] = field(default_factory=dict)
-    evict_loss: list[float] = field(default_factory=list)   # per eviction, in the order they happen
-
-    @property
-    def min_loads(self) -> int:
-        return min(max(self.free_slots, 0), len(self.tokens), self.load_cap)
-
-    @property
-    def load_cap(self) -> int:
-        n = len(self.tokens)
-        return n if self.max_loads is None else max(0, min(self.max_loads, n))
 
 
 @dataclass(frozen=True)

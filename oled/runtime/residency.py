@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..policies.base import ForwardInfo, LayerDecision, LayerEvent, Policy, PolicyContext, increasing_ids
+from ..policies.base import Policy
+from ..policies.contract import ForwardInfo, LayerDecision, LayerEvent, PolicyContext, increasing_ids
 from .cpu_share import cpu_share_experts, cpu_share_table
 from .expert_cache import ExpertCache
+from .planner import split_misses
 from .stats import LayerRecord, RunStats
 
 
@@ -70,7 +72,7 @@ class Residency:
                                 and not self.all_resident else None)
         self.costs, self.cpu_scale = costs, 1.0      # the measured cost model; the scale its CPU terms plan with
         policy.setup(PolicyContext(layers=self.layers, num_experts=num_experts, capacity=cache.capacity,
-                                   top_k=top_k, expert_bytes=expert_bytes, costs=costs))
+                                   top_k=top_k, expert_bytes=expert_bytes, costs=costs, planner=split_misses))
         if policy.static_full and cache.capacity < num_experts:
             raise ValueError(f"policy {policy.name!r} needs every expert resident: use --expert-budget 1.0")
 
@@ -114,7 +116,7 @@ class Residency:
         self.forward = info
         self.cpu_scale = cpu_scale
         if self.costs is not None:
-            self.policy.ctx.costs = self.costs.with_cpu_scale(cpu_scale)
+            self.policy.plan_on(self.costs.with_cpu_scale(cpu_scale))
         self.stats.begin_forward(info.kind)
         self.policy.on_forward(info)
 
@@ -127,10 +129,10 @@ class Residency:
 
     # --------------------------------------------------------------------------------------------- per layer
     def begin_layer(self, layer: int, ids: np.ndarray, weights: np.ndarray,
-                    predicted: np.ndarray | None = None, mapped: bool = False) -> LayerStep:
+                    predicted: np.ndarray | None = None, misses_served: bool = False) -> LayerStep:
         """ids, weights: the layer's routing [T, k]; predicted: the next layer's predicted ids (policies that want
-        predictions); mapped: the layer ran on the mapped path (its misses computed from host memory). Hands the
-        policy the layer's event, checks its decision, records the statistics."""
+        predictions); misses_served: the layer's misses were computed already (the mapped path). Hands the policy
+        the layer's event, checks its decision, records the statistics."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
         experts = counts.nonzero()[0]                                         # increasing ids
         demand = dict(zip(experts.tolist(), counts[experts].tolist()))
@@ -140,7 +142,8 @@ class Residency:
         forward = self.forward or ForwardInfo(kind=self.stats.kind, start=0, tokens=len(ids), block_start=0,
                                               block_length=len(ids))   # a layer run outside the decoding loop
         event = LayerEvent(layer=layer, forward=forward, ids=ids, weights=weights, demand=demand,
-                           resident=resident, hits=hits, misses=misses, mapped=mapped, resident_ids=resident_ids,
+                           resident=resident, hits=hits, misses=misses, misses_served=misses_served,
+                           resident_ids=resident_ids,
                            demand_ids=experts)
         if predicted is not None and (nxt := self.next_layer(layer)) is not None:
             p_experts, p_counts = np.unique(predicted, return_counts=True)
@@ -252,13 +255,13 @@ class Residency:
                       cpu_share: list[int] | None = None) -> Wave:
         """A layer that ran on the mapped path: every miss was computed already, from host memory by the GPU or,
         with a CPU share, on the CPU (cpu_share: mapped_cpu_share's answer, made before; None: made here), so the
-        policy's decision (LayerEvent.mapped) says what to load for later forwards. Returns the loads that fit beside
+        policy's decision (LayerEvent.misses_served) says what to load for later forwards. Returns the loads that fit beside
         the layer's hits (one wave), their slots taken; the caller copies them. With capture, the misses the kernels
         wrote into armed slots (never the CPU's) are resident already, in place of the victims those slots held (no
         copy): they are not loaded again."""
         if cpu_share is None:
             cpu_share = self.mapped_cpu_share(layer, ids)
-        step = self.begin_layer(layer, ids, weights, mapped=True)
+        step = self.begin_layer(layer, ids, weights, misses_served=True)
         misses = step.decision.load + step.decision.cpu
         if misses:
             on_cpu = set(cpu_share)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cpu_kernel import physical_cpus
+
 TORCH_THREADS_DEFAULT = 1     # the main thread: launches GPU work, or computes on a CPU-only machine
 
 
@@ -31,7 +33,6 @@ def plan_threads(torch_threads: int | None = None, kernel_threads: int | None = 
                  cores: int | None = None) -> ThreadPlan:
     """Defaults: one torch thread, the other physical cores (at least one) for the CPU expert kernel."""
     if cores is None:
-        from .cpu_kernel import physical_cpus
         cores = len(physical_cpus()[0])
     for name, value in (("torch threads", torch_threads), ("CPU expert threads", kernel_threads)):
         if value is not None and value < 1:

@@ -51,3 +51,25 @@ class _Section:
             end = time.perf_counter()
         self.timer.pending.append((self.name, self.start, end))
         return False
+
+
+class Sections:
+    """The runtime's named sections, timed by `timer` when one is set (a profiled run sets it, and may unset it),
+    else free: every part of the manager times through the one instance."""
+
+    def __init__(self, timer: SectionTimer | None = None):
+        self.timer = timer
+
+    def __call__(self, name: str):
+        return self.timer(name) if self.timer is not None else _NULL
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

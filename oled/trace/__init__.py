@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+from ..env import environment, now
 from .format import KINDS, Trace
 from .locality import format_locality, locality
 from .recorder import TraceRecorder, record
@@ -16,8 +17,6 @@ from .replay import ReplayManager, replay
 
 def trace_header(engine, params, workload: dict | None = None) -> dict:
     """Model shapes, engine and decoding settings, environment: the header of a trace recorded on `engine`."""
-    from ..bench.env import environment, now
-
     config = engine.config
     decode = {k: v for k, v in vars(params).items() if k != "stop"}
     decode["block_length"] = params.block_length or config.block_length

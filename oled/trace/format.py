@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..policies.base import ForwardInfo, IterationEvent
+from ..policies.contract import ForwardInfo, IterationEvent
 
 REQUEST, BEGIN, RUN, END, EVENT = range(5)
 KINDS = ("prefill", "iteration", "cache_fill")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policies.base import IterationEvent
+from ..policies.contract import IterationEvent
 from .format import KINDS, Trace
 
 CONF_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ..policies import make_policy
-from ..policies.base import IterationEvent
+from ..policies.contract import IterationEvent
 from ..policies.reuse import ReuseCalibration, ReusePredictor
 from .format import BEGIN, EVENT, REQUEST, RUN, Trace
 from .locality import auc

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from ..policies import make_policy
-from ..policies.base import ForwardInfo, Policy
+from ..policies.base import Policy
+from ..policies.contract import ForwardInfo
 from ..runtime.budget import ExpertBudget, parse_budget
-from ..runtime.cost_model import CostModel
+from ..policies.costs import CostModel
 from ..runtime.expert_cache import ExpertCache
 from ..runtime.residency import Residency
 from ..runtime.stats import RunStats

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..decoding.params import DecodeParams
-from ..policies.base import ForwardInfo, IterationEvent
+from ..policies.contract import ForwardInfo, IterationEvent
 from .format import KINDS, Trace, pred_arrays
 
 

@@ -8,7 +8,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _git(*args: str) -> str | None:
@@ -61,7 +61,7 @@ def _static_environment() -> dict:
     import numpy
     import torch
 
-    from .. import __version__
+    from . import __version__       # the package imports this module: a cycle at the top
 
     try:
         cpus_usable = len(os.sched_getaffinity(0))

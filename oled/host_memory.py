@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .loader import EXPERT_NAME, official_tensors
+
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -30,8 +32,6 @@ def available_bytes() -> int | None:
 
 def weight_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
     """(routed-expert bytes, other weight bytes) of the model in `dtype` (tensors published in fp32 stay fp32)."""
-    from ..loader import EXPERT_NAME, official_tensors
-
     experts = other = 0
     for name, shape, file_dtype in official_tensors(config):
         itemsize = (file_dtype if file_dtype == torch.float32 else dtype).itemsize
