@@ -58,8 +58,8 @@ class Residency:
         self.armed: dict[int, list[tuple[int, int | None]]] = {}
         self._victims: dict[int, list[int]] = {}  # layer -> its last decision's eviction order
         # layer -> (the cache's version of its slot table, its residents as a frozenset and as increasing ids), made
-        # again only once the version moves: most layers of most forwards load nothing, and rebuilding them per
-        # event was ~3 us of a layer's host step
+        # again only once the version moves: most layers of most forwards load nothing, so rebuilding them per
+        # event would be wasted host work
         self._residents: dict[int, tuple[int, frozenset[int], np.ndarray]] = {}
         self.layers = cache.layers
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
@@ -321,8 +321,8 @@ class Residency:
     def record_resident(self, layer: int, ids: np.ndarray) -> None:
         """A layer that ran on the all-resident path (all_resident), once its forward ended: its statistics (every
         pair a hit). No policy is asked anything: every expert stays resident for good, so no decision could load or
-        evict (the statistics equal those of an event whose decision has nothing to do). A policy's layer event
-        costs the host ~50 us (benchmarks/policy_step_cost.py), which here would buy nothing."""
+        evict (the statistics equal those of an event whose decision has nothing to do), and a policy's layer event
+        would cost host time for nothing."""
         experts, counts = np.unique(ids.reshape(-1), return_counts=True)
         rec = self.stats.layer(layer)
         rec.pairs = rec.pairs_hit = int(ids.size)
