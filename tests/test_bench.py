@@ -431,7 +431,8 @@ def test_compare_grids_flags_slower_cells_by_their_bytes_and_judges_the_targets(
     """benchmarks/compare_grids.py: a cell whose time a forward grew past the tolerance is flagged, "same bytes" when
     its reads and copies are REF's and "bytes differ" otherwise; the others are not; a slower read of an expert from
     host memory in NEW's cost model predicts each cell's change from its reads; the targets are oled's TPOT over
-    full's, the fastest baseline (not full, not oled's variants) over oled, and oled's hit rate over belady's."""
+    full's, the fastest baseline (not full, not oled's variants) over oled, and every policy's misses over belady's
+    bound rows and TPOT over each time bound's."""
     from pathlib import Path
 
     compare = benchmark_script("compare_grids")
@@ -450,7 +451,14 @@ def test_compare_grids_flags_slower_cells_by_their_bytes_and_judges_the_targets(
                 r["metrics"]["mapped_gb_per_iteration"]["median"] += 0.01
         if r.get("cost_model"):
             r["cost_model"]["mapped_seconds"] += 1e-4          # a machine whose kernels read an expert 100 us slower
+        if r["mode"] == "live":
+            r["metrics"]["misses_per_iteration"] = {"median": 30.0 if r["policy"] == "oled" else 45.0}
         changed.append(r)
+    template = next(r for r in rows if r["mode"] == "bound")
+    for name, misses, tpot in (("bound:belady-even", 20.0, None), ("bound:belady-shared", 15.0, None),
+                               ("bound:demand-link-even", 20.0, 2.0), ("bound:prefetch-even", 22.0, 1.6)):
+        changed.append(dict(template, policy=name, policy_label=name, budget="0.4",
+                            metrics={"misses_per_iteration": {"median": misses}, "tpot_ms": {"median": tpot}}))
     (new / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
     out = tmp_path / "cmp.json"
     assert compare.main([str(ref), str(new), "--json", str(out)]) == 0
@@ -464,15 +472,19 @@ def test_compare_grids_flags_slower_cells_by_their_bytes_and_judges_the_targets(
     expert_bytes = next(r["cost_model"]["expert_bytes"] for r in rows if r.get("cost_model"))
     assert lru["read_delta_ms"] == pytest.approx(lru["mapped_gb"] * 1e9 / expert_bytes * 0.1) and lru["mapped_gb"] > 0
     live = {(r["policy_label"], r["budget"]): r["metrics"] for r in rows if r["mode"] == "live"}
-    belady = next(r["metrics"] for r in rows if r["mode"] == "bound" and r["budget"] == "0.4")
     goal = result["targets"]
     tpot = {k: m["tpot_ms"]["median"] for k, m in live.items()}
     assert goal["tpot_over_full"] == tpot["oled", "0.4"] / tpot["full", "1.0"]
     baselines = {k: t for k, t in tpot.items() if k[1] == "0.4" and k[0].split("(")[0] not in
                  ("full", "oled", "oled-retain", "oled-coop")}
     assert goal["best_baseline_tpot_ms"] == min(baselines.values()) and goal["best_baseline"] != "oled-retain"
-    assert goal["hit_rate_over_belady"] == (live["oled", "0.4"]["hit_rate_tokens"]["median"]
-                                            / belady["hit_rate_tokens"]["median"])
+    oled = goal["against_bounds"]["oled"]
+    assert oled["misses_over"] == {"bound:belady-even": 1.5, "bound:belady-shared": 2.0}
+    assert oled["tpot_over"] == pytest.approx({"bound:demand-link-even": tpot["oled", "0.4"] / 2.0,
+                                               "bound:prefetch-even": tpot["oled", "0.4"] / 1.6})
+    assert goal["against_bounds"]["lru"]["misses_over"]["bound:belady-even"] == 45.0 / 20.0
+    assert set(goal["against_bounds"]) == {k[0] for k in live if k[1] == "0.4"}
+    assert "against the bounds at 0.4" in printed and "utilisation" not in printed
     empty = tmp_path / "empty"
     empty.mkdir()
     assert compare.main([str(ref), str(empty)]) == 1

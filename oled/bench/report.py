@@ -11,12 +11,14 @@ from pathlib import Path
 from ..textfile import read_results
 from .metrics import METRICS
 
-TABLES = ("tpot_ms", "tokens_per_s", "ms_per_forward", "hit_rate_tokens", "hit_rate_experts", "cache_utilization",
-          "hits_per_loaded_expert", "h2d_gb_per_iteration", "mapped_gb_per_iteration", "cpu_pairs_per_iteration",
+TABLES = ("tpot_ms", "tokens_per_s", "ms_per_forward", "misses_per_iteration", "hit_rate_tokens",
+          "hit_rate_experts", "used_before_evicted", "cache_utilization", "hits_per_loaded_expert",
+          "h2d_gb_per_iteration", "mapped_gb_per_iteration", "cpu_pairs_per_iteration",
           "cpu_ms_per_iteration",
           "cpu_cost_model_ratio", "cpu_path_cost_model_ratio", "unique_experts_per_layer_iteration", "token_agreement",
           "prefill_ms", "nfe", "tpf")
-PERCENT = {"hit_rate_tokens", "hit_rate_experts", "cache_utilization", "token_agreement", "identical_outputs"}
+PERCENT = {"hit_rate_tokens", "hit_rate_experts", "cache_utilization", "token_agreement", "identical_outputs",
+           "used_before_evicted"}
 BREAKDOWN_LABELS = {"attention": "attention", "gpu_experts": "GPU experts", "copy_wait": "copy wait",
                     "cpu_experts": "CPU experts", "other": "other"}
 
