@@ -479,8 +479,11 @@ class Bench:
                 self._add_simulated_row(
                     "bound", wl_name, workload, PolicySpec(bound.name), {}, budget, b, None, metrics, model=model,
                     engine=engine, decode=decode, prompts=prompts,
-                    bench={"seed": self.cfg.seed, "reference": None, "timing": timing, "bound": bound.definition,
-                           "cost_table": table.source if table is not None else "none: misses only"})
+                    bench={"seed": self.cfg.seed, "reference": None, "timing": timing, "bound": bound.definition},
+                    extra={"h2d_copy_gbps": None, "cost_model": None,
+                           "cost_table": None if table is None else {
+                               "link_ms": table.link_s * 1e3, "compute_ms": _ms(table.compute_s),
+                               "source": table.source}})
 
     def _add_simulated_row(self, mode, wl_name, workload, spec, options, budget, b, stats, metrics, *, model, engine,
                            decode, bench, prompts, extra=None) -> None:
@@ -702,6 +705,11 @@ class Bench:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+
+
+def _ms(seconds):
+    """Seconds (one figure or per layer) in milliseconds."""
+    return {k: v * 1e3 for k, v in seconds.items()} if isinstance(seconds, dict) else seconds * 1e3
 
 
 def _max_tokens(demand: Demand) -> int:
