@@ -257,3 +257,28 @@ def test_belady_with_bypass_keeps_lfu_below_it_where_loading_every_miss_did_not(
         rate = {name: replay(trace, policy, budget).stats.summary()["hit_rate_experts"]
                 for name, policy in (("belady", "belady"), ("lfu", "lfu"), ("all", LoadEveryMiss()))}
         assert rate["lfu"] <= rate["belady"] and rate["all"] < rate["belady"]
+
+
+def test_used_before_evicted_counts_the_loads_a_later_layer_hit():
+    """lru, two slots, one expert a forward: 0, 1, 0 (a hit on the load of 0), 2 (evicts 1, never used), 0, 3 (evicts
+    2, never used): four loads, one used before its slot was given up; 3 still resident counts as not used."""
+    import torch
+
+    from oled.policies import make_policy
+    from oled.policies.base import ForwardInfo
+    from oled.runtime.budget import parse_budget
+    from oled.runtime.expert_cache import ExpertCache
+    from oled.runtime.residency import Residency
+    from oled.runtime.stats import RunStats
+    from oled.trace.replay import decide_layer
+
+    budget = parse_budget("0.5", num_layers=1, num_experts=4, expert_bytes=8)
+    cache = ExpertCache([0], budget, 1, torch.float32, "meta", 4)
+    stats = RunStats()
+    res = Residency(cache, make_policy("lru"), stats, num_experts=4, top_k=1, expert_bytes=8)
+    for e in (0, 1, 0, 2, 0, 3):
+        res.begin_forward(ForwardInfo("iteration", 0, 1, 0, 1))
+        decide_layer(res, 0, np.array([[e]]), np.ones((1, 1), np.float32))
+    summary = stats.summary()
+    assert summary["totals"]["loads"] == 4 and summary["totals"]["loads_used"] == 1
+    assert summary["used_before_evicted"] == 0.25 and summary["misses_per_iteration"] == 4 / 6
