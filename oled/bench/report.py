@@ -186,6 +186,15 @@ def markdown(rows: list[dict], skipped: list[dict] = (), images: dict | None = N
                   f"layer, LM head, Python).", "", breakdown_table(series_entry)]
         if ("breakdown", None) in images:
             lines += ["", f"![breakdown]({images[('breakdown', None)]})"]
+    bounds = {r["policy"]: r["bench"].get("bound") for r in rows if r.get("mode") == "bound" and r["bench"].get("bound")}
+    if bounds:
+        tables = sorted({(r.get("cost_table") or {}).get("source") or "none: misses only"
+                         for r in rows if r.get("mode") == "bound"})
+        lines += ["", "## Bounds (oled/bounds.py)", "",
+                  "Rows `bound:*`: computed from the routing, not run. `-even`: the budget split evenly across MoE "
+                  "layers; `-shared`: one pool of the same slots for all MoE layers. Cost table: "
+                  + "; ".join(tables) + ".", ""]
+        lines += [f"- `{name}`: {definition}." for name, definition in sorted(bounds.items())]
     if skipped:
         lines += ["", "## Skipped runs", ""]
         lines += [f"- `{s['policy_label']}` at {s['budget']} on `{s['workload']}`: {s['reason']}" for s in skipped]
