@@ -108,7 +108,8 @@ def targets(live: dict, bound: dict, budget: str) -> dict | None:
 def against_bounds(live: dict, bound: dict, budget: str) -> dict[str, dict]:
     """Per live policy at `budget`: misses an iteration, over each miss bound's, the used-before-evicted fraction, and
     ms per token over each time bound's (the ratios only where the bound row is in the grid)."""
-    misses = {name: median(bound[name, budget], "misses_per_iteration") for name in MISS_BOUNDS if (name, budget) in bound}
+    misses = {name: median(bound[name, budget], "misses_per_iteration")
+              for name in MISS_BOUNDS if (name, budget) in bound}
     times = {name: median(row, "tpot_ms") for (name, b), row in bound.items()
              if b == budget and median(row, "tpot_ms") is not None}
     out = {}

@@ -34,11 +34,11 @@ that many experts during timed runs).
 
 `prefetch`: integrated prefetching and caching over one link, Cao, Felten, Karlin and Li 1995, "aggressive": the
 misses are fetched in reference order, each as early as the link and its victim allow (the victim's last use before
-it must be done), evicting the resident with the farthest next use, which is never one the fetched run needs; a fetched expert whose
-next use is farther than every resident's is streamed (fetched, used, not kept: the bypass belady has); a run starts when the previous
-one ended and its experts have arrived. Its time is achievable, so it is an upper bound on the optimum
-(Albers, Garg and Leonardi 2000 give the exact optimum as a linear program, not solved here), and `floor` a lower
-bound. Untimed runs are barriers: the link drains, their demand loads free as belady's.
+it must be done), evicting the resident with the farthest next use, which is never one the fetched run needs; a
+fetched expert whose next use is farther than every resident's is streamed (fetched, used, not kept: the bypass
+belady has); a run starts when the previous one ended and its experts have arrived. Its time is achievable, so it is
+an upper bound on the optimum (Albers, Garg and Leonardi 2000 give the exact optimum as a linear program, not solved
+here), and `floor` a lower bound. Untimed runs are barriers: the link drains, their demand loads free as belady's.
 """
 from __future__ import annotations
 

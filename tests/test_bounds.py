@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oled.bounds import (CostTable, Demand, LayerRun, _initial_pools, _keys, belady, best_split, bound_rows, demand_seconds, floor_seconds,
-                         layer_time, misses_seconds, prefetch_seconds)
+from oled.bounds import (CostTable, Demand, LayerRun, _initial_pools, _keys, belady, best_split, bound_rows,
+                         demand_seconds, floor_seconds, layer_time, misses_seconds, prefetch_seconds)
 from oled.policies import POLICIES
 from oled.trace import Trace, replay
 from tests.costs import balanced_costs

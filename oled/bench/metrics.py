@@ -24,9 +24,10 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "misses_per_iteration": ("misses/iter", "", "needed experts not resident when their MoE layer ran, summed over the "
                                                 "MoE layers, per denoising iteration (expert-weighted misses); bound "
                                                 "rows: their schedule's"),
-    "used_before_evicted": ("used before evicted", "", "experts loaded (demand loads + prefetches) that a later layer "
-                                                       "run found resident and needed before their slot was given up "
-                                                       "/ experts loaded (bytes alike: every expert has the same size)"),
+    "used_before_evicted": ("used before evicted", "", "experts loaded (demand loads + prefetches) that a later "
+                                                       "layer run found resident and needed before their slot was "
+                                                       "given up / experts loaded (bytes alike: every expert has "
+                                                       "the same size)"),
     "hits_per_loaded_expert": ("hits per loaded expert", "", "token-expert pairs served by resident experts / "
                                                              "experts copied to the GPU (demand loads + prefetches)"),
     "h2d_gb_per_iteration": ("H2D GB/iter", "GB", "bytes of experts copied host-to-device per denoising iteration"),

@@ -186,7 +186,8 @@ def markdown(rows: list[dict], skipped: list[dict] = (), images: dict | None = N
                   f"layer, LM head, Python).", "", breakdown_table(series_entry)]
         if ("breakdown", None) in images:
             lines += ["", f"![breakdown]({images[('breakdown', None)]})"]
-    bounds = {r["policy"]: r["bench"].get("bound") for r in rows if r.get("mode") == "bound" and r["bench"].get("bound")}
+    bounds = {r["policy"]: r["bench"]["bound"] for r in rows
+              if r.get("mode") == "bound" and r["bench"].get("bound")}
     if bounds:
         tables = sorted({(r.get("cost_table") or {}).get("source") or "none: misses only"
                          for r in rows if r.get("mode") == "bound"})
