@@ -605,7 +605,7 @@ def test_the_cooperative_mapped_estimate_on_the_bundled_trace():
 def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
     """oled/trace/forced_misses.py (`oled trace --report TRACE --forced`): a layer routing to U distinct experts with S slots misses at least U - S, so the
     forced misses, counted here by hand over the trace's iterations, are what the script reports, none with every
-    expert in a slot, and no more than belady's loads (or any policy's misses) in the same replay."""
+    expert in a slot, and no more than belady's misses (or any policy's) in the same replay."""
     from pathlib import Path
 
     from oled.trace import Trace
@@ -628,7 +628,7 @@ def test_forced_misses_bound_every_policys_loads_on_the_bundled_trace():
     assert row["forced_gb_per_iteration"] == pytest.approx(forced / len(iterations) / 1e9)
     lru = replay_manager(trace, "lru", "0.3")
     lru.replay()
-    assert forced / len(iterations) <= row["belady_loads_per_iteration"] <= lru.stats.summary()["loads_per_iteration"]
+    assert forced / len(iterations) <= row["belady_misses_per_iteration"] <= lru.stats.summary()["misses_per_iteration"]
 
 
 @pytest.mark.parametrize("policy,budget,mapped", [("full", "1.0", False), ("lru", "0.5", True),

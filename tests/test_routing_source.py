@@ -186,7 +186,7 @@ def test_old_traces_without_tokens_are_refused(lru_trace, player):
 
 def test_bench_routing_cli(lru_trace, tmp_path, capsys):
     """One `oled bench --routing` command: the trace's requests, every run's tokens those of the trace, belady's
-    bound beside them; a model of other shapes gets one line and exit 2."""
+    bounds beside them (no more misses than lru's); a model of other shapes gets one line and exit 2."""
     trace, _ = lru_trace
     path = tmp_path / "t.trace"
     trace.save(path)
@@ -196,7 +196,10 @@ def test_bench_routing_cli(lru_trace, tmp_path, capsys):
                    "--no-profile", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {(r["policy"], r["budget"]) for r in rows} >= {("full", "1.0"), ("lru", "0.25"), ("belady", "0.25")}
+    by = {(r["policy"], r["budget"]): r["metrics"] for r in rows}
+    assert set(by) >= {("full", "1.0"), ("lru", "0.25"), ("bound:belady-even", "0.25"), ("bound:belady-shared", "0.25")}
+    misses = {k: m["misses_per_iteration"]["median"] for k, m in by.items()}
+    assert misses["bound:belady-shared", "0.25"] <= misses["bound:belady-even", "0.25"] <= misses["lru", "0.25"]
     for r in rows:
         assert r["model"]["routing"]["requests"] == trace.num_requests
         assert r["decode"]["block_length"] == PARAMS["block_length"]

@@ -21,6 +21,13 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                                    "experts"),
     "cache_utilization": ("cache utilisation", "", "resident experts used by at least one token in the iteration / "
                                                    "resident experts, averaged over layers and iterations"),
+    "misses_per_iteration": ("misses/iter", "", "needed experts not resident when their MoE layer ran, summed over the "
+                                                "MoE layers, per denoising iteration (expert-weighted misses); bound "
+                                                "rows: their schedule's"),
+    "used_before_evicted": ("used before evicted", "", "experts loaded (demand loads + prefetches) that a later "
+                                                       "layer run found resident and needed before their slot was "
+                                                       "given up / experts loaded (bytes alike: every expert has "
+                                                       "the same size)"),
     "hits_per_loaded_expert": ("hits per loaded expert", "", "token-expert pairs served by resident experts / "
                                                              "experts copied to the GPU (demand loads + prefetches)"),
     "h2d_gb_per_iteration": ("H2D GB/iter", "GB", "bytes of experts copied host-to-device per denoising iteration"),
@@ -99,7 +106,8 @@ def repeat_metrics(results, summary: dict, reference) -> dict:
 SUMMARY_METRICS = ("hit_rate_tokens", "hit_rate_experts", "cache_utilization", "h2d_gb_per_iteration",
                    "cpu_pairs_per_iteration", "cpu_ms_per_iteration", "mapped_pairs_per_iteration",
                    "mapped_gb_per_iteration", "captured_experts_per_iteration", "cpu_cost_model_ratio",
-                   "cpu_path_cost_model_ratio", "loads_per_iteration", "unique_experts_per_layer_iteration")
+                   "cpu_path_cost_model_ratio", "loads_per_iteration", "unique_experts_per_layer_iteration",
+                   "misses_per_iteration", "used_before_evicted")
 
 
 def stats_metrics(summary: dict) -> dict:

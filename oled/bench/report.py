@@ -11,12 +11,14 @@ from pathlib import Path
 from ..textfile import read_results
 from .metrics import METRICS
 
-TABLES = ("tpot_ms", "tokens_per_s", "ms_per_forward", "hit_rate_tokens", "hit_rate_experts", "cache_utilization",
-          "hits_per_loaded_expert", "h2d_gb_per_iteration", "mapped_gb_per_iteration", "cpu_pairs_per_iteration",
+TABLES = ("tpot_ms", "tokens_per_s", "ms_per_forward", "misses_per_iteration", "hit_rate_tokens",
+          "hit_rate_experts", "used_before_evicted", "cache_utilization", "hits_per_loaded_expert",
+          "h2d_gb_per_iteration", "mapped_gb_per_iteration", "cpu_pairs_per_iteration",
           "cpu_ms_per_iteration",
           "cpu_cost_model_ratio", "cpu_path_cost_model_ratio", "unique_experts_per_layer_iteration", "token_agreement",
           "prefill_ms", "nfe", "tpf")
-PERCENT = {"hit_rate_tokens", "hit_rate_experts", "cache_utilization", "token_agreement", "identical_outputs"}
+PERCENT = {"hit_rate_tokens", "hit_rate_experts", "cache_utilization", "token_agreement", "identical_outputs",
+           "used_before_evicted"}
 BREAKDOWN_LABELS = {"attention": "attention", "gpu_experts": "GPU experts", "copy_wait": "copy wait",
                     "cpu_experts": "CPU experts", "other": "other"}
 
@@ -184,6 +186,16 @@ def markdown(rows: list[dict], skipped: list[dict] = (), images: dict | None = N
                   f"layer, LM head, Python).", "", breakdown_table(series_entry)]
         if ("breakdown", None) in images:
             lines += ["", f"![breakdown]({images[('breakdown', None)]})"]
+    bounds = {r["policy"]: r["bench"]["bound"] for r in rows
+              if r.get("mode") == "bound" and r["bench"].get("bound")}
+    if bounds:
+        tables = sorted({(r.get("cost_table") or {}).get("source") or "none: misses only"
+                         for r in rows if r.get("mode") == "bound"})
+        lines += ["", "## Bounds (oled/bounds.py)", "",
+                  "Rows `bound:*`: computed from the routing, not run. `-even`: the budget split evenly across MoE "
+                  "layers; `-shared`: one pool of the same slots for all MoE layers. Cost table: "
+                  + "; ".join(tables) + ".", ""]
+        lines += [f"- `{name}`: {definition}." for name, definition in sorted(bounds.items())]
     if skipped:
         lines += ["", "## Skipped runs", ""]
         lines += [f"- `{s['policy_label']}` at {s['budget']} on `{s['workload']}`: {s['reason']}" for s in skipped]

@@ -29,6 +29,7 @@ import torch
 from ..config import EngineConfig
 from ..decoding.loop import generate
 from ..decoding.params import DecodeParams
+from ..bounds import CostTable, Demand, bound_rows
 from ..decoding.procedure import usable_positions
 from ..policies import policy_class, policy_options
 from ..runtime.budget import BudgetError, parse_budget
@@ -45,7 +46,7 @@ ALL_KINDS = ("prefill", "iteration", "cache_fill")
 BREAKDOWN = ("attention", "gpu_experts", "copy_wait", "cpu_experts", "other")
 
 
-BOUND = "belady"      # the retention bound every hit-rate table carries
+BOUND = "belady"      # the clairvoyant policy every replay grid carries (the exact bounds: oled/bounds.py)
 
 # ------------------------------------------------------------------------------------------------ configuration
 @dataclass
@@ -231,6 +232,7 @@ class Bench:
     def _check_budgets(self, num_layers: int, num_experts: int, expert_bytes: int) -> None:
         """Drop budgets that cannot run this model (too small, malformed), once, with the reason."""
         self.budgets = []
+        self._num_experts, self._expert_bytes = num_experts, expert_bytes
         for b in self.cfg.budgets:
             try:
                 parse_budget(b, num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes)
@@ -425,16 +427,20 @@ class Bench:
             except (ValueError, RuntimeError) as e:
                 self._say(f"reference pass with {policy} at {budget} not possible: {e}")
                 continue
-            tokens = []
+            results = []
             for i, ids in enumerate(prompts):
-                tokens.append(self._generate(engine, i, ids).token_ids)
+                results.append(self._generate(engine, i, ids))
                 self._tick(1, f"{workload.name} reference ({policy})")
+            tokens = [r.token_ids for r in results]
             popularity = None
             if need_pop:
                 popularity = engine.manager.stats.popularity()
                 self._write_popularity(engine, workload, popularity, policy)
             if policy == "full":
                 self._reference_records = list(engine.manager.stats.records)
+                self._reference_tokens = sum(len(t) for t in tokens)
+                self._reference_forward_ms = (sum(r.decode_s for r in results) * 1e3
+                                              / max(sum(r.nfe for r in results), 1))
             engine.manager.stats.reset()
             if policy == "full":
                 return tokens, popularity, "full"
@@ -442,30 +448,45 @@ class Bench:
         return None, None, None
 
     def _bound_rows(self, engine, workload, model_info) -> None:
-        """`belady` at every budget, replayed on the routing of the reference pass (full residency, one pass over the
-        workload): the fewest loads any retention can reach on that routing. No timings: a bound, not a run."""
-        from ..trace.replay import replay_records
-
+        """The bounds at every budget (oled/bounds.py) on the routing of the reference pass (full residency, one pass
+        over the workload): belady's fewest misses and, with the cost model measured at start-up (a CPU policy in the
+        grid), the times, each MoE layer's compute being full's measured time a forward (its grid row, else the
+        reference pass) split evenly over the MoE layers (attention, dense layers and head included)."""
         records = getattr(self, "_reference_records", None)
         if not records:
             return
         c = engine.config
+        demand = Demand.from_records(records, list(c.moe_layers), c.top_k, self._reference_tokens)
+        full = next((r for r in self.rows if r["policy"] == "full" and r["workload"]["name"] == workload.name), None)
+        forward_ms, compute = self._reference_forward_ms, "the reference pass's (one untimed-protocol pass of full)"
+        if full is not None and (full["metrics"].get("ms_per_forward") or {}).get("median"):
+            forward_ms, compute = full["metrics"]["ms_per_forward"]["median"], "full's grid row (median of repeats)"
+        table = None
+        if engine.costs is not None and forward_ms:
+            table = CostTable.from_cost_model(engine.costs, forward_ms / 1e3 / len(c.moe_layers),
+                                              _max_tokens(demand), f"{engine.costs.source}; compute: {forward_ms:.4g} "
+                                              f"ms a forward, {compute}, split evenly over the MoE layers")
+        self._add_bound_rows(workload.name, workload.describe(), demand, table, model_info, engine=None,
+                             decode=_decode_dict(self.cfg.decode, engine), prompts=[],
+                             timing="none (bounds on the reference pass's routing)")
+
+    def _add_bound_rows(self, wl_name, workload, demand, table, model, *, engine, decode, prompts, timing) -> None:
+        """One row per bound and budget (policy "bound:<kind>-<pool>", mode "bound"): ms per token as tpot_ms and the
+        schedule's misses an iteration."""
+        n_layers, E, size = len(demand.layers), self._num_experts, self._expert_bytes
         for budget in self.budgets:
-            try:
-                stats = replay_records(records, layers=list(c.moe_layers), num_experts=c.num_experts, top_k=c.top_k,
-                                       expert_bytes=engine.store.expert_bytes, expert_budget=budget)
-            except (ValueError, RuntimeError) as e:
-                self._skip(workload.name, PolicySpec(BOUND), budget, str(e))
-                continue
-            b = parse_budget(budget, num_layers=len(c.moe_layers), num_experts=c.num_experts,
-                             expert_bytes=engine.store.expert_bytes)
-            self._add_simulated_row(
-                "bound", workload.name, workload.describe(), PolicySpec(BOUND), {}, budget, b, stats,
-                stats_metrics(stats.summary()), model=model_info, engine=None,
-                decode=_decode_dict(self.cfg.decode, engine), prompts=[],
-                bench={"seed": self.cfg.seed, "reference": "full",
-                       "timing": "none (replay of the reference pass's routing)"},
-                extra={"h2d_copy_gbps": None, "cost_model": None})
+            b = parse_budget(budget, num_layers=n_layers, num_experts=E, expert_bytes=size)
+            for bound in bound_rows(demand, b.slots_per_layer, table):
+                metrics = {"tpot_ms": bound.ms_per_token, "misses_per_iteration": bound.misses_per_iteration,
+                           "nfe": demand.iterations, "generated_tokens": demand.tokens}
+                self._add_simulated_row(
+                    "bound", wl_name, workload, PolicySpec(bound.name), {}, budget, b, None, metrics, model=model,
+                    engine=engine, decode=decode, prompts=prompts,
+                    bench={"seed": self.cfg.seed, "reference": None, "timing": timing, "bound": bound.definition},
+                    extra={"h2d_copy_gbps": None, "cost_model": None,
+                           "cost_table": None if table is None else {
+                               "link_ms": table.link_s * 1e3, "compute_ms": _ms(table.compute_s),
+                               "source": table.source}})
 
     def _add_simulated_row(self, mode, wl_name, workload, spec, options, budget, b, stats, metrics, *, model, engine,
                            decode, bench, prompts, extra=None) -> None:
@@ -478,7 +499,8 @@ class Bench:
                "bench": {"repeats": 1, "warmup_prompts": 0, "profiled_pass": False, **bench},
                "env": self.env, "metrics": {k: aggregate([metrics.get(k)]) for k in METRICS},
                "sections_per_iteration_ms": None, **(extra or {}),
-               "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {}), "prompts": prompts}
+               "stats_totals": stats.summary(kinds=ALL_KINDS).get("totals", {}) if stats is not None else {},
+               "prompts": prompts}
         self.rows.append(row)
         self._append("results.jsonl", row)
 
@@ -614,6 +636,26 @@ class Bench:
 
         return mapped_rows(self.cfg.mapped_misses)
 
+    def _replay_bound_rows(self, trace, costs, wl_name, wl, model, header) -> None:
+        """The bounds of a replay grid: on its cost model (--cost-model, else the trace's), each MoE layer's compute
+        being the cost model's grouped GEMM of the layer's experts (mean over its iterations: the experts' GPU compute
+        alone, no attention: no forward was timed); with no cost model, belady's misses only."""
+        demand = Demand.from_trace(trace)
+        if costs is None and header.get("costs"):
+            costs = CostModel.from_dict(header["costs"])
+        table = None
+        if costs is not None:
+            compute = {}
+            for layer in demand.layers:
+                runs = [run for run in demand.runs if run.timed and run.layer == layer]
+                compute[layer] = float(np.mean([costs.gpu_expert_seconds_of(run.tokens).sum() for run in runs])
+                                       if runs else 0.0)
+            table = CostTable.from_cost_model(costs, compute, _max_tokens(demand),
+                                              f"{costs.source}; compute: the cost model's grouped GEMM of each "
+                                              f"layer's experts (no attention)")
+        self._add_bound_rows(wl_name, wl, demand, table, model, engine=header.get("engine"),
+                             decode=header.get("decode"), prompts=[], timing="none (bounds on the trace's routing)")
+
     def _run_replay(self) -> None:
         from ..trace import Trace, replay
 
@@ -665,10 +707,21 @@ class Bench:
                               "generated_tokens": int(len(trace.output_ids(i)))}
                              for i, pid in enumerate(h.get("requests", []))])
                 self._tick(1, f"replay {spec.label}@{budget}")
+            if cfg.bound:
+                self._replay_bound_rows(trace, costs, wl_name, wl, model, h)
         finally:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+
+
+def _ms(seconds):
+    """Seconds (one figure or per layer) in milliseconds."""
+    return {k: v * 1e3 for k, v in seconds.items()} if isinstance(seconds, dict) else seconds * 1e3
+
+
+def _max_tokens(demand: Demand) -> int:
+    return max((int(run.tokens.max()) for run in demand.runs if len(run.tokens)), default=1)
 
 
 def _budget_key(b: str) -> float:

@@ -1,8 +1,10 @@
-"""`belady`: the retention limit, for trace replay only. Every miss is loaded; when a slot is needed, the resident
-expert whose next use lies farthest in the future is evicted (never used again: first, lower id first). For a
-cache of a given size this minimises the loads (Belady's MIN, which stays optimal when a layer needs a set of
-experts at once: the set's members are used now, so none is evicted for another). It bounds expert-weighted hits;
-a policy that weighs hits by tokens or serves misses without a slot can do better on token-weighted hit rate.
+"""`belady`: clairvoyant retention, for trace replay only: Belady's MIN with bypass. A miss is kept (loaded) only if
+its next use is sooner than that of the farthest-used resident the layer does not need (or a slot is free), which it
+then evicts; otherwise it is served without a slot (sent to `cpu`: in a replay, a miss not kept). Never evicts what
+the current layer needs (the runtime keeps a layer's hits while its loads fit), so it is what a runtime policy could
+do knowing the future; the exact fewest misses, where a layer may also drop its own hits, is oled/bounds.py's
+`belady` (the `bound:belady-*` rows), which no policy can beat. Expert-weighted: a policy that weighs hits by tokens
+can do better on token-weighted hit rate.
 
 The replayer hands it each MoE layer's future demand (`set_future`): per layer, the expert sets of its events in
 order; the policy counts its own events per layer to know where it is.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from .base import EvictionOrder, LayerDecision, Policy
+from .base import LayerDecision, Policy
 
 NEVER = float("inf")
 
@@ -49,7 +51,20 @@ class BeladyPolicy(Policy):
         layer = event.layer
         now = self.position[layer]
         self.position[layer] = now + 1
-        load = event.misses
-        candidates = event.resident | set(load)
-        return LayerDecision(load=load, evict=EvictionOrder(
-            lambda: sorted(candidates, key=lambda e: (-self.next_use(layer, e, now), e))))
+        after = {e: self.next_use(layer, e, now) for e in event.misses}
+        # the residents the layer does not need, farthest next use first: the victims, in order
+        victims = sorted((e for e in event.resident if e not in event.demand),
+                         key=lambda e: (-self.next_use(layer, e, now), e))
+        free = self.ctx.capacity - len(event.resident)
+        load, cpu, taken = [], [], 0
+        for e in sorted(event.misses, key=lambda e: (after[e], e)):     # soonest used first
+            if after[e] != NEVER and free > 0:
+                free -= 1
+                load.append(e)
+            elif after[e] != NEVER and taken < len(victims) and \
+                    self.next_use(layer, victims[taken], now) > after[e]:
+                taken += 1
+                load.append(e)
+            else:
+                cpu.append(e)
+        return LayerDecision(load=load, cpu=cpu, evict=victims)

@@ -65,6 +65,9 @@ class Residency:
         self.layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.expert_bytes, self.num_experts = expert_bytes, num_experts
         self.forward: ForwardInfo | None = None
+        # layer -> expert -> the record of the load (or prefetch) that brought it in, until a hit uses it or its slot
+        # is given up (LayerRecord.loads_used)
+        self.unused_loads: dict[int, dict[int, LayerRecord]] = {layer: {} for layer in self.layers}
         # with a CPU share: for m misses of a mapped layer, how many the CPU computes (the kernels read it too); none
         # where every expert stays resident (nothing is ever mapped: 0.13 s of start-up saved at 256 experts)
         self.cpu_share_table = (cpu_share_table(costs.mapped_reads(), num_experts)
@@ -155,6 +158,11 @@ class Residency:
             raise RuntimeError(f"policy {self.policy.name!r}: a decision must split exactly the misses {misses} "
                                f"into load and cpu, got load={decision.load} cpu={decision.cpu}")
         rec = self.stats.layer(layer)
+        unused = self.unused_loads[layer]
+        if unused:                                       # resident and needed: hits on loads not yet used
+            small, large = (unused, demand) if len(unused) < len(demand) else (demand, unused)
+            for e in [e for e in small if e in large]:
+                unused.pop(e).loads_used += 1
         rec.pairs, rec.experts, rec.expert_tokens = int(ids.size), len(demand), demand
         rec.experts_hit = len(hits)
         rec.pairs_hit = rec.pairs - sum(map(demand.__getitem__, misses))     # (most layers have no miss)
@@ -174,7 +182,7 @@ class Residency:
             room = self.cache.capacity - len(protected)
             loads, queue = queue[:room], queue[room:]
             protected.update(loads)           # the wave's experts, none of them evicted for its loads
-            slots = self._insert(layer, loads, protected, step.decision.evict)
+            slots = self._insert(layer, loads, protected, step.decision.evict, rec)
             rec.bytes_h2d += len(loads) * self.expert_bytes
             rec.loads += len(loads)
             yield Wave(loads, slots, protected)
@@ -194,7 +202,7 @@ class Residency:
             return nxt, [], []
         resident = self.cache.resident(nxt)
         wanted = [e for e in step.decision.prefetch if e not in resident][: self.cache.capacity]
-        slots = self._insert(nxt, wanted, set(wanted), step.decision.prefetch_evict)
+        slots = self._insert(nxt, wanted, set(wanted), step.decision.prefetch_evict, step.rec)
         step.rec.bytes_h2d += len(wanted) * self.expert_bytes
         step.rec.prefetches += len(wanted)
         return nxt, wanted, slots
@@ -288,6 +296,7 @@ class Residency:
         for e, (slot, owner) in zip(captured, usable):
             if owner is not None:
                 self.cache.evict(layer, owner)
+                self.unused_loads[layer].pop(owner, None)
             self.cache.insert_at(layer, e, slot)
         step.rec.experts_captured = len(captured)
         return captured
@@ -331,8 +340,11 @@ class Residency:
         rec.expert_tokens = dict(zip(experts.tolist(), counts.tolist()))
 
     # ------------------------------------------------------------------------------------------------ slots
-    def _insert(self, layer: int, experts: list[int], protected: set[int], evict_order: list[int]) -> list[int]:
+    def _insert(self, layer: int, experts: list[int], protected: set[int], evict_order: list[int],
+                rec: LayerRecord) -> list[int]:
+        """Copy-loads `experts` into the layer's slots (evicting in `evict_order`), counted as loads of `rec`."""
         slots = []
+        unused = self.unused_loads[layer]
         order = None                       # the policy's order is only evaluated when a slot must be freed
         for e in experts:
             if not self.cache.has_free_slot(layer):
@@ -343,5 +355,7 @@ class Residency:
                     raise RuntimeError(f"policy {self.policy.name!r}: no expert of layer {layer} to evict for "
                                        f"{e} (eviction order {evict_order}, protected {sorted(protected)})")
                 self.cache.evict(layer, victim)
+                unused.pop(victim, None)
             slots.append(self.cache.insert(layer, e))
+            unused[e] = rec
         return slots

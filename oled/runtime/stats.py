@@ -10,7 +10,7 @@ import numpy as np
 TIMINGS = ("cpu_s", "cpu_path_s", "cpu_s_model")
 COUNTERS = ("pairs", "pairs_hit", "pairs_cpu", "experts", "experts_hit", "experts_cpu", "loads", "prefetches",
             "bytes_h2d", "resident", "resident_used", "pairs_mapped", "experts_mapped", "bytes_mapped",
-            "experts_captured")
+            "experts_captured", "loads_used")
 
 
 @dataclass
@@ -36,6 +36,8 @@ class LayerRecord:
     experts_mapped: int = 0
     bytes_mapped: int = 0     # read over PCIe by those computations (a blob once per block of pairs)
     experts_captured: int = 0  # of those, written into an armed slot as they were read: resident with no copy
+    loads_used: int = 0       # of this layer's loads and prefetches, those a later layer found resident and needed
+                              # (a hit) before their slot was given up (counted here, in the loading record)
     expert_tokens: dict = field(default_factory=dict)   # expert -> tokens (for popularity / traces)
 
 
@@ -111,6 +113,9 @@ class Aggregate:
             "hit_rate_experts": tot["experts_hit"] / max(tot["experts"], 1),
             "cache_utilization": self.utilization_sum / self.utilization_n if self.utilization_n else 0.0,
             "hits_per_loaded_expert": tot["pairs_hit"] / max(tot["loads"] + tot["prefetches"], 1),
+            "used_before_evicted": (tot["loads_used"] / (tot["loads"] + tot["prefetches"])
+                                    if tot["loads"] + tot["prefetches"] else None),
+            "misses_per_iteration": (tot["experts"] - tot["experts_hit"]) / forwards,
             "h2d_gb_per_iteration": tot["bytes_h2d"] / 1e9 / forwards,
             "cpu_pairs_per_iteration": tot["pairs_cpu"] / forwards,
             "mapped_pairs_per_iteration": tot["pairs_mapped"] / forwards,

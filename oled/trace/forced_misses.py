@@ -3,8 +3,8 @@ layer that routes to U distinct experts with S slots must bring at least U - S o
 them off the GPU), whatever it keeps: those are the *forced* misses. Everything else a policy moves is a matter of
 when: an expert needed now that a slot could have held. Per budget: the slots a layer gets (as the engine sizes
 them), the distinct experts a layer and iteration, the forced misses and their bytes per iteration at the trace's
-expert size (or --expert-mib), and belady's misses in the same replay (the fewest any retention policy takes when
-every miss is loaded), both in GB per iteration. Counts only, no timing.
+expert size (or --expert-mib), and belady's misses in the same replay (Belady's MIN with bypass as a runtime policy:
+at least the forced misses), both in GB per iteration. Counts only, no timing.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .replay import replay_manager
 
 
 def forced_misses(trace: Trace, budget: str, expert_bytes: int) -> dict:
-    """The forced misses of the trace's denoising iterations at `budget`, and belady's loads, per iteration."""
+    """The forced misses of the trace's denoising iterations at `budget`, and belady's misses, per iteration."""
     model = trace.header["model"]
     slots = parse_budget(budget, num_layers=len(model["moe_layers"]), num_experts=model["num_experts"],
                          expert_bytes=model["expert_bytes"]).slots_per_layer
@@ -34,13 +34,13 @@ def forced_misses(trace: Trace, budget: str, expert_bytes: int) -> dict:
     iterations = max(len(forced), 1)
     belady = replay_manager(trace, "belady", budget)
     belady.replay()
-    loads = belady.stats.summary()["loads_per_iteration"]
+    misses = belady.stats.summary()["misses_per_iteration"]
     per_iter = sum(forced.values()) / iterations
     return {"budget": budget, "slots_per_layer": slots, "iterations": len(forced),
             "unique_experts_per_layer_iteration": float(np.mean(unique)) if unique else 0.0,
             "forced_misses_per_iteration": per_iter, "forced_gb_per_iteration": per_iter * expert_bytes / 1e9,
             "iterations_with_forced_misses": sum(1 for v in forced.values() if v),
-            "belady_loads_per_iteration": loads, "belady_gb_per_iteration": loads * expert_bytes / 1e9}
+            "belady_misses_per_iteration": misses, "belady_gb_per_iteration": misses * expert_bytes / 1e9}
 
 
 def rows(trace: Trace, policy: None, budget: str, opts) -> list[dict]:

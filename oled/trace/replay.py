@@ -128,32 +128,6 @@ class ReplayManager:
         return self.stats
 
 
-def replay_records(records, *, layers: list[int], num_experts: int, top_k: int, expert_bytes: int, expert_budget,
-                   policy: str = "belady") -> RunStats:
-    """Replay the routing a live run recorded in its statistics (LayerRecord.expert_tokens per layer and forward)
-    through a policy that needs no token layout (belady): the retention bound of a live benchmark, on the very
-    routing of its reference pass."""
-    budget = parse_budget(expert_budget, num_layers=len(layers), num_experts=num_experts, expert_bytes=expert_bytes)
-    pol = make_policy(policy)
-    cache = ExpertCache(layers, budget, 1, torch.float32, "meta", num_experts)
-    stats = RunStats()
-    res = Residency(cache, pol, stats, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes)
-    res.place_initial()
-    routed = [(r.forward, r.kind, r.layer, np.repeat(np.fromiter(r.expert_tokens, np.int64, len(r.expert_tokens)),
-                                                      list(r.expert_tokens.values())).reshape(-1, 1))
-              for r in records]
-    if pol.needs_future:
-        pol.set_future(future_demand(layers, ((layer, ids) for _, _, layer, ids in routed)))
-    forward = None
-    for f, kind, layer, ids in routed:
-        if f != forward:
-            forward = f
-            res.begin_forward(ForwardInfo(kind=kind, start=0, tokens=len(ids), block_start=0,
-                                          block_length=len(ids)))
-        decide_layer(res, layer, ids, np.ones(ids.shape, np.float32))
-    return stats
-
-
 def replay(trace: Trace, policy: str | Policy, expert_budget, costs: CostModel | None = None,
            mapped_rows: int | None = None, capture_slots: int | None = None, cpu_share: bool | None = None,
            **options) -> ReplayManager:
