@@ -262,8 +262,8 @@ def value_options(parser):
         formatter = p._get_formatter()
         for action in p._actions:
             if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
-                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._StoreTrueAction,
-                                           argparse._StoreFalseAction, argparse._AppendAction))):
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._StoreConstAction,
+                                           argparse._AppendAction))):
                 continue
             yield name, action, " ".join(formatter._expand_help(action).split())
 
@@ -271,7 +271,7 @@ def value_options(parser):
 # options whose absence only means "not used" (an input or output that is not there): nothing to state
 NOT_GIVEN_IS_NOTHING = {"--model", "--out", "--report", "--json", "--first", "--calibrate-reuse", "--cost-model",
                         "--replay", "--routing", "--render", "--breakdown", "--system", "--prompts-file",
-                        "--workload", "--misses", "--served-model-name", "--api-key", "--corpus"}
+                        "--workload", "--misses", "--served-model-name", "--api-key", "--corpus", "--runner-ups"}
 
 
 def test_every_option_states_its_default():
