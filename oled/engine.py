@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from .config import FUSED_KERNELS, EngineConfig
+from .config import FUSED_KERNELS, FUSED_OPT_IN, EngineConfig
 from .decoding.model_runner import ModelRunner
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict, load_config
 from .policies import POLICIES, make_policy, policy_options
-from .runtime.budget import parse_budget
+from .runtime.budget import parse_budget, parse_spec
 from .runtime.cost_model import CostModel, load_or_measure
 from .host_memory import check_host_memory
 from .runtime.manager import ExpertManager, check_cpu_wake
@@ -24,8 +24,10 @@ from .synth import build_tokenizer, preset_config, random_tensors
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("oled")
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+# float16: the CPU expert kernel and the expert store take bf16 or fp32, and the models are trained in bf16 (whose
+# range fp16 does not have); refused before anything is built
+UNSUPPORTED_DTYPES = ("float16", "fp16", "half")
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -60,15 +62,19 @@ class Engine:
         from .runtime.cpu_kernel import check_knobs
         check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
         check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
+        parse_spec(cfg.expert_budget)       # its format; against the model's experts once they are known
+        make_policy(cfg.policy, **self._policy_options(cfg))    # its name and options (a popularity file read)
+        if cfg.dtype in UNSUPPORTED_DTYPES:
+            raise ValueError(f"dtype {cfg.dtype!r} is not supported: the expert store and the CPU expert kernel "
+                             f"take bfloat16 or float32")
+        if cfg.dtype is not None and cfg.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
         self.device = pick_device(cfg.device)
         self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_*: name -> on
         self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
-        dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        if dtype_name not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(DTYPES)}")
-        self.dtype = DTYPES[dtype_name]
+        self.dtype = DTYPES[cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         pin = cfg.pin_memory and self.device.type == "cuda"
         if cfg.random_weights:
             raw = preset_config(cfg.random_weights, cfg.layers)
@@ -103,8 +109,12 @@ class Engine:
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
-        self.set_runtime(cfg.policy, cfg.expert_budget, tau=cfg.tide_tau, popularity=cfg.popularity,
-                         misses=cfg.misses, waves=int(cfg.waves) if cfg.waves else None)
+        self.set_runtime(cfg.policy, cfg.expert_budget, **self._policy_options(cfg))
+
+    @staticmethod
+    def _policy_options(cfg: EngineConfig) -> dict:
+        return dict(tau=cfg.tide_tau, popularity=cfg.popularity, misses=cfg.misses,
+                    waves=int(cfg.waves) if cfg.waves else None)
 
     def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
         """(Re)build the budget, the policy and the expert manager over the loaded model and expert store, without
@@ -151,9 +161,7 @@ class Engine:
                "fused_confidence": ("confidence_kernel", "scan_kernel"),
                "fused_attention": ("attention_kernel", "attention_kernel"),
                "fused_linear": ("linear_kernel", "skinny_linear_kernel")}
-    # kernels that stay off unless asked for: the skinny GEMM was slower than cuBLAS on the H200 (BENCHMARKS.md
-    # section 25: 510 us a forward against 399)
-    OPT_IN = frozenset({"fused_linear"})
+    OPT_IN = FUSED_OPT_IN        # kernels that stay off unless asked for
 
     def _pick_kernels(self, cfg: EngineConfig) -> dict[str, bool]:
         """Each Triton kernel on or off: as asked (one asked for is checked to run here first), or, left at None,
@@ -222,6 +230,11 @@ class Engine:
                              f"{free / 2**30:.1f} GiB free on {self.device}")
 
     @property
+    def cache_place(self) -> str:
+        """Where the expert cache's slots live, in words (the budget's line)."""
+        return "on the GPU" if self.device.type == "cuda" else f"in the expert cache ({self.device.type.upper()})"
+
+    @property
     def non_expert_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
@@ -233,7 +246,7 @@ class Engine:
     def describe(self) -> str:
         return (f"{self.model_name} ({self.config.model_type}, {self.config.num_layers} layers, "
                 f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
-                f"policy {self.policy.name}; {self.budget.describe()}; non-expert weights "
+                f"policy {self.policy.name}; {self.budget.describe(self.cache_place)}; non-expert weights "
                 f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
                 f"{' pinned' if self.store.pinned else ''}; Triton kernels: "
                 + (", ".join(n.removeprefix("fused_") for n, on in self.kernels.items() if on) or "none")

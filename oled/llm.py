@@ -44,25 +44,33 @@ class LLM:
         unknown = set(params) - _DECODE_FIELDS
         if unknown:
             raise TypeError(f"unknown decoding parameter(s): {', '.join(sorted(unknown))}")
-        return DecodeParams(**params)
+        decode = DecodeParams(**params)
+        decode.validate()
+        return decode
 
     def generate(self, prompts: str | list[str] | None = None, *, prompt_token_ids=None, on_block=None,
-                 cancelled=None, **params) -> Output | list[Output]:
+                 cancelled=None, allow_special_tokens: bool = False, **params) -> Output | list[Output]:
         """Generate for one prompt (returns an Output) or a list (returns a list). on_block(text_so_far, ids, done)
-        streams each committed block; cancelled() -> True stops at the next iteration (finish_reason "cancelled")."""
+        streams each committed block; cancelled() -> True stops at the next iteration (finish_reason "cancelled").
+        A prompt is tokenized as text (a special token written in it is its characters) unless
+        allow_special_tokens=True."""
         single = isinstance(prompts, str) or (prompt_token_ids is not None and prompt_token_ids
                                               and isinstance(prompt_token_ids[0], int))
         if prompt_token_ids is None:
             if prompts is None:
                 raise ValueError("give prompts or prompt_token_ids")
-            batch = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+            batch = [self.tokenizer.encode(p, allow_special_tokens)
+                     for p in ([prompts] if isinstance(prompts, str) else prompts)]
         else:
             batch = [list(prompt_token_ids)] if single else [list(p) for p in prompt_token_ids]
-        outs = [self._one(ids, self._params(params), on_block, cancelled) for ids in batch]
+        decode = self._params(params)
+        outs = [self._one(ids, decode, on_block, cancelled) for ids in batch]
         return outs[0] if single else outs
 
-    def chat(self, messages: list[dict], **params) -> Output:
-        return self.generate(self.tokenizer.chat_prompt(messages), **params)
+    def chat(self, messages: list[dict], allow_special_tokens: bool = False, **params) -> Output:
+        """One answer to the chat `messages` ({"role", "content"} dicts): the contents are text unless
+        allow_special_tokens=True; the template's markers are the only special tokens."""
+        return self.generate(prompt_token_ids=self.tokenizer.chat_ids(messages, allow_special_tokens), **params)
 
     def _one(self, prompt_ids: list[int], params: DecodeParams, on_block, cancelled) -> Output:
         ids: list[int] = []

@@ -61,6 +61,13 @@ NAME_TEMPLATES = {
     ],
 }
 NAME_TEMPLATES["llada"] = NAME_TEMPLATES["lladamoe"]
+# Our parameters of the router: a NaN or Inf in them changes which experts run without making the output non-finite
+# (a NaN score is never picked), so they are checked at load, element by element (they are small).
+ROUTER_PARAMS = ("mlp.router_weight", "mlp.expert_bias")
+# What the loader takes, by the dtype config.json declares: that dtype, and float32 (the published files hold the
+# router's bias in fp32). Anything else (float64, an FP8 type, fp16 in a bf16 checkpoint) is not what the config
+# promises: refused rather than silently rounded.
+DECLARED_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 LAYER_OF = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -118,6 +125,7 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
     names = name_map(config, params)
     official = {n: o for o, n in names.items()}
     loaded_count = {name: 0 for name in params}
+    accepted = {DECLARED_DTYPES.get(config.torch_dtype, torch.bfloat16), torch.float32}
     extra_layers: dict[int, str] = {}             # layer index -> a file holding it
     for name, tensor, source in tensors:
         layer_m = LAYER_OF.match(name)
@@ -127,6 +135,10 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
             continue
         if not (tensor.is_floating_point()):
             raise CheckpointError(f"{source}: tensor {name} has dtype {tensor.dtype}, expected a floating type")
+        if tensor.dtype not in accepted:
+            raise CheckpointError(f"{source}: tensor {name} has dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                                  f"config.json declares {config.torch_dtype}, and the loader takes "
+                                  f"{' or '.join(str(d).removeprefix('torch.') for d in accepted)} tensors")
         m = EXPERT_NAME.match(name)
         if m:
             layer, expert, part = int(m.group(1)), int(m.group(2)), m.group(3)
@@ -145,6 +157,9 @@ def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor,
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(param.shape)}")
+        if target.endswith(ROUTER_PARAMS) and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{source}: tensor {name} holds NaN or Inf (a router weight: it would change "
+                                  f"which experts run without any error)")
         param.data.copy_(tensor)
         loaded_count[target] += 1
     if extra_layers:
@@ -174,6 +189,9 @@ def read_index(index: Path) -> dict[str, str]:
     for name, file in weight_map.items():
         if not isinstance(file, str) or not file:
             raise CheckpointError(f"{index}: weight_map[{name!r}] must be a shard file name, got {file!r}")
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] is {file!r}, outside the model directory; shards "
+                                  f"are named relative to it")
     return weight_map
 
 

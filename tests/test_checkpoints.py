@@ -11,6 +11,7 @@ import shutil
 import struct
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -64,8 +65,57 @@ def without_mask_token(path):
     path.write_text(json.dumps(doc))
 
 
+def edit_tensors(change):
+    """Break the shard's tensors: change(tensors) edits the name -> tensor dict in place."""
+    def breaks(path):
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path))
+    return breaks
+
+
+ROUTER_BIAS, ROUTER_WEIGHT = "model.layers.1.mlp.gate.expert_bias", "model.layers.2.mlp.gate.weight"
+NORM = "model.norm.weight"
+
+
+def poke(name, index, value):
+    """One element of tensor `name` set to `value` (index None: every element)."""
+    def change(tensors):
+        flat = tensors[name].view(-1)
+        flat[slice(None) if index is None else index] = value
+    return edit_tensors(change)
+
+
+def recast(name, dtype):
+    def change(tensors):
+        tensors[name] = tensors[name].to(dtype)
+    return edit_tensors(change)
+
+
 CASES = {
     # name: (file to break, how, words the one line must hold besides the file name)
+    # non-finite router weights change the routing without a non-finite output: refused at load (issue 53)
+    "router bias all NaN": (SHARD, poke(ROUTER_BIAS, None, float("nan")), f"tensor {ROUTER_BIAS} holds NaN or Inf"),
+    "router bias one NaN": (SHARD, poke(ROUTER_BIAS, 3, float("nan")), f"tensor {ROUTER_BIAS} holds NaN or Inf"),
+    "router weight one Inf": (SHARD, poke(ROUTER_WEIGHT, 5, float("inf")), f"tensor {ROUTER_WEIGHT} holds NaN or Inf"),
+    "router weight one -Inf": (SHARD, poke(ROUTER_WEIGHT, 0, -float("inf")),
+                               f"tensor {ROUTER_WEIGHT} holds NaN or Inf"),
+    # a dtype the config does not declare: not silently rounded
+    "float64 tensor": (SHARD, recast(NORM, torch.float64),
+                       f"tensor {NORM} has dtype float64; config.json declares bfloat16"),
+    "fp8 tensor": (SHARD, recast(ROUTER_WEIGHT, torch.float8_e4m3fn),
+                   f"tensor {ROUTER_WEIGHT} has dtype float8_e4m3fn; config.json declares bfloat16"),
+    "fp16 tensor in a bf16 checkpoint": (SHARD, recast(NORM, torch.float16), "has dtype float16"),
+    "binary config": ("config.json", lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\0\0"),
+                      "not UTF-8 text (byte 0x89 at offset 0)"),
+    "mask id missing": ("config.json", lambda p: edit_json(p, lambda d: {k: v for k, v in d.items()
+                                                                          if k != "mask_token_id"}),
+                        "'mask_token_id' is missing from config.json, and the value taken from the llada2_moe "
+                        "default (the architecture table), 156895, is outside the vocabulary (vocab_size 512)"),
+    "shard path escapes the directory": (INDEX, lambda p: edit_json(p, lambda d: dict(
+        d, weight_map={k: "../../../etc/passwd" for k in d["weight_map"]})), "outside the model directory"),
+    "absolute shard path": (INDEX, lambda p: edit_json(p, lambda d: dict(
+        d, weight_map={k: "/etc/passwd" for k in d["weight_map"]})), "'/etc/passwd', outside the model directory"),
     "truncated shard": (SHARD, truncate, "not a readable safetensors file"),
     "empty shard": (SHARD, lambda p: p.write_bytes(b""), "not a readable safetensors file"),
     "garbage header": (SHARD, lambda p: p.write_bytes(struct.pack("<Q", 40) + b"{not json at all" + b"x" * 40),

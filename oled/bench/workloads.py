@@ -32,10 +32,13 @@ class Prompt:
     id: str
     prompt: str | None = None                  # text for the tokenizer (chat template already applied)
     token_ids: list[int] | None = None         # synthetic prompts: the ids themselves
-    messages: list[dict] | None = None         # chat prompts: the messages (for reference)
+    messages: list[dict] | None = None         # chat prompts: the messages (tokenized with the template)
 
     def ids(self, tokenizer) -> list[int]:
-        return list(self.token_ids) if self.token_ids is not None else tokenizer.encode(self.prompt)
+        if self.token_ids is not None:
+            return list(self.token_ids)
+        # the template's markers are special tokens, the messages' contents and a plain prompt text
+        return tokenizer.chat_ids(self.messages) if self.messages is not None else tokenizer.encode(self.prompt)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from ..policies import POLICIES
-from .common import add_decode_args, add_execution_args
+from .common import TIDE_TAU, add_decode_args, add_execution_args
 
 
 def add_parser(sub) -> None:
@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("model (one of)")
     src.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
-    src.add_argument("--random-weights", metavar="PRESET", help="random weights with a preset's shapes")
+    src.add_argument("--random-weights", metavar="PRESET",
+                     help="random weights with a preset's shapes (default: none, the checkpoint of --model)")
     src.add_argument("--replay", metavar="TRACE", help="replay a trace from `oled trace` through the policies "
                                                        "(CPU simulation: hit rates, loads, CPU pairs; no timing; "
                                                        "all its requests unless --prompts N)")
@@ -56,7 +57,8 @@ def add_parser(sub) -> None:
     e = p.add_argument_group("runtime")
     e.add_argument("--seed", type=int, default=0, help="random-weights and run seed")
     add_execution_args(e)
-    e.add_argument("--tide-tau", type=int, help="tide: default refresh period (or give tide:tau=N)")
+    e.add_argument("--tide-tau", type=int, help="tide: refresh period, or give tide:tau=N (default: "
+                                                 f"{TIDE_TAU})")
     e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
                                         "reference pass, or from the trace when replaying)")
     e.add_argument("--cost-model", metavar="FILE",
@@ -82,6 +84,8 @@ def run(args) -> int:
     budgets = parse_list(args.budgets)
     for spec in budgets:            # a typo is refused before any run, not skipped after the model is loaded
         parse_spec(spec)
+    decode = decode_params(args)
+    decode.validate()
     cfg = BenchConfig(policies=parse_list(args.policies), budgets=budgets,
                       workloads=parse_list(args.workload), out=args.out, model=args.model,
                       random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
@@ -90,7 +94,7 @@ def run(args) -> int:
                       mapped_misses=args.mapped_misses, capture_slots=args.capture_slots, cpu_share=args.cpu_share,
                       shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe,
                       fused=fused_fields(args), cpu_kernel=cpu_kernel_fields(args),
-                      decode=decode_params(args), prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
+                      decode=decode, prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
                       tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
                       profile_all=args.profile_all, profile=args.profile, replay=args.replay, routing=args.routing,
                       cost_model=args.cost_model, progress=args.progress, bound=args.bound)

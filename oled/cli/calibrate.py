@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line (blank lines skipped)")
     src.add_argument("--workload", metavar="NAME",
                      help="a shipped workload (code, math, chat, long), a workload .jsonl file or synthetic:LEN[:N]")
-    src.add_argument("--limit", type=int, help="use at most this many prompts")
+    src.add_argument("--limit", type=int, help="use at most this many prompts (default: all)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each --prompt / --prompts-file text in the chat template (workloads carry their own)")
     p.add_argument("--out", required=True, metavar="FILE", help="popularity JSON to write")
@@ -67,12 +67,13 @@ def run(args) -> int:
         raise ValueError(f"calibrate runs with --policy full (every expert resident) or lru (when the experts do "
                          f"not fit), not {args.policy!r}")
     texts = collect_prompts(args)
+    decode_params(args).validate()          # before the model is built
     cfg = engine_config(args)
     llm = LLM(**cfg.to_dict())
     engine = llm.engine
     tok = llm.tokenizer
     # (label, token ids): the given texts (chat template applied with --chat), then the workload's prompts
-    items = [(t, tok.encode(tok.chat_prompt([{"role": "user", "content": t}]) if args.chat else t)) for t in texts]
+    items = [(t, tok.chat_ids([{"role": "user", "content": t}]) if args.chat else tok.encode(t)) for t in texts]
     workload = None
     if args.workload:
         workload = _workload(args.workload, tok)

@@ -11,7 +11,7 @@ import threading
 from dataclasses import replace
 
 from ..decoding.procedure import usable_positions
-from .common import add_decode_args, add_engine_args, decode_params, engine_config
+from .common import add_decode_args, add_engine_args, add_special_tokens_arg, decode_params, engine_config
 
 HELP = "commands: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer"
 
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system", help="a system message at the start of the conversation")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the answer at this text (repeatable)")
+    add_special_tokens_arg(p)
     add_engine_args(p)
     add_decode_args(p)
 
@@ -28,8 +29,10 @@ def add_parser(sub) -> None:
 class Chat:
     """The conversation and one turn of it; separate from the terminal so that it can be driven directly."""
 
-    def __init__(self, engine, params, system: str | None = None, stop=(), out=sys.stdout, err=sys.stderr):
+    def __init__(self, engine, params, system: str | None = None, stop=(), out=sys.stdout, err=sys.stderr,
+                 allow_special_tokens: bool = False):
         self.engine, self.params, self.stop = engine, params, tuple(stop)
+        self.allow_special_tokens = allow_special_tokens      # messages' special tokens parsed, not text
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict] = []
         self.out, self.err = out, err
@@ -46,7 +49,7 @@ class Chat:
         dropped = 0
         while True:
             messages = self.system + self.history + [{"role": "user", "content": message}]
-            ids = tok.encode(tok.chat_prompt(messages))
+            ids = tok.chat_ids(messages, self.allow_special_tokens)
             if len(ids) + self.params.gen_length <= usable or not self.history:
                 break
             self.history = self.history[2:]
@@ -142,7 +145,7 @@ def run(args) -> int:
             pass
     print(f"oled chat: {engine.describe()}", file=sys.stderr)
     print(f"oled chat: {HELP}", file=sys.stderr, flush=True)
-    chat = Chat(engine, params, system=args.system, stop=args.stop)
+    chat = Chat(engine, params, system=args.system, stop=args.stop, allow_special_tokens=args.allow_special_tokens)
     while True:
         try:
             line = _read_line(interactive)

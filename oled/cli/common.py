@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 
-from ..config import CPU_ISAS, CPU_WAKE_MODES, FUSED_KERNELS, EngineConfig
+from ..config import CPU_ISAS, CPU_WAKE_MODES, FUSED_KERNELS, FUSED_OPT_IN, EngineConfig
 from ..decoding.params import DecodeParams
 from ..policies import DEFAULT_POLICY, POLICIES, policy_class
 
 LIVE_POLICIES = [name for name in POLICIES if not policy_class(name).needs_future]   # belady: replay only
+TIDE_TAU = inspect.signature(policy_class("tide")).parameters["tau"].default         # tide's own default
 
 
 def positive_int(text: str) -> int:
@@ -25,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and runtime")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
     g.add_argument("--random-weights", metavar="PRESET",
-                   help="random weights in memory with a preset's shapes (tiny, llada2-mini, llada2-flash, ...)")
+                   help="random weights in memory with a preset's shapes (tiny, llada2-mini, llada2-flash, ...; "
+                        "default: none, the checkpoint of --model)")
     g.add_argument("--seed", type=int, default=0, help="random-weights seed")
     g.add_argument("--expert-budget", default="1.0",
                    help="GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
@@ -37,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--misses", choices=["load", "cooperative"],
                    help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
                         "planner split misses between loading and the CPU on the measured costs")
-    g.add_argument("--tide-tau", type=int, help="tide: refresh period in iterations")
-    g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate`")
+    g.add_argument("--tide-tau", type=int, help=f"tide: refresh period in iterations (default: {TIDE_TAU})")
+    g.add_argument("--popularity", help="fiddler: expert popularity file from `oled calibrate` (default: none; "
+                                        "fiddler needs one)")
     add_execution_args(g)
     g.add_argument("--torch-threads", type=positive_int,
                    help="torch intra-op threads (default: 1; the other physical cores go to the CPU expert kernel)")
@@ -68,7 +72,8 @@ FUSED_HELP = {
 
 def add_execution_args(g) -> None:
     """How the engine runs, whatever the policy (shared by every command that builds an engine, `oled bench` too)."""
-    g.add_argument("--layers", type=positive_int, help="override the number of layers of a random-weights preset")
+    g.add_argument("--layers", type=positive_int,
+                   help="override the number of layers of a random-weights preset (default: the preset's)")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--cpu-threads", type=positive_int, help="CPU expert threads (default: physical cores minus torch's threads)")
@@ -130,13 +135,14 @@ def add_fused_args(g) -> None:
     """--[no-]fused-X for each Triton kernel and --[no-]fused for all of them; fused_fields turns them into the
     EngineConfig fields (None where not given: on where they compile, BENCHMARKS.md section 17)."""
     for name in FUSED_KERNELS:
+        default = ("off, asked for only" if name in FUSED_OPT_IN else
+                   "on with a CUDA device and Triton, torch's path elsewhere")
         g.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: on with a CUDA device and Triton, "
-                            "torch's path elsewhere)")
+                       help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: {default})")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="--fused: every --fused-* kernel above, asked for (an error where one cannot run); "
                         "--no-fused: torch's kernels everywhere (on the H200 the kernels made a forward of `full` "
-                        "2.2-2.3 x faster: BENCHMARKS.md sections 16-17)")
+                        "2.2-2.3 x faster: BENCHMARKS.md sections 16-17; default: each kernel's own default)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -150,8 +156,15 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rule", default=d.rule, choices=["threshold", "low_confidence"],
                    help="commit rule: every position above the threshold, or LLaDA's fixed steps")
     g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (0: greedy)")
-    g.add_argument("--sample-seed", dest="sample_seed", type=int, help="sampling seed")
+    g.add_argument("--sample-seed", dest="sample_seed", type=int,
+                   help="sampling seed, with --temperature above 0 (default: 0, the same samples every run)")
     g.add_argument("--cache", default=d.cache, choices=["none", "prefix", "dual"], help="KV cache mode")
+
+
+def add_special_tokens_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="parse special tokens written in the prompt or messages (<|mask|>, <|role_end|>, ...) as "
+                        "those tokens (default: off, tokenized as text; only the chat template's markers are special)")
 
 
 def engine_config(args) -> EngineConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_decode_args, add_engine_args, decode_params, engine_config
+from .common import add_decode_args, add_engine_args, add_special_tokens_arg, decode_params, engine_config
 
 
 def add_parser(sub) -> None:
@@ -14,6 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable output (with token ids)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="print the text only at the end")
     p.add_argument("--stats", action="store_true", help="print the expert statistics (hit rates, H2D, CPU)")
+    add_special_tokens_arg(p)
     add_engine_args(p)
     add_decode_args(p)
 
@@ -21,10 +22,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..llm import LLM
 
-    cfg = engine_config(args)
-    llm = LLM(**{k: v for k, v in cfg.to_dict().items()})
-    prompt = llm.tokenizer.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     params = decode_params(args)
+    params.validate()                    # before the model is built
+    llm = LLM(**engine_config(args).to_dict())
+    special = args.allow_special_tokens
+    if args.chat:
+        prompt = {"prompt_token_ids": llm.tokenizer.chat_ids([{"role": "user", "content": args.prompt}], special)}
+    else:
+        prompt = {"prompts": args.prompt, "allow_special_tokens": special}
     printed = [0]
 
     def on_block(text, new_ids, finished):
@@ -33,7 +38,7 @@ def run(args) -> int:
             sys.stdout.flush()
             printed[0] = len(text)
 
-    out = llm.generate(prompt, on_block=on_block, **vars(params))
+    out = llm.generate(**prompt, on_block=on_block, **vars(params))
     stats = llm.stats()
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,

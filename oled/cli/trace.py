@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    help="code, math, chat, long, synthetic:LEN[:N] or a .jsonl file (default: code)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt instead of a workload (repeatable)")
-    p.add_argument("--prompts", type=int, metavar="N", help="use at most N prompts of the workload")
+    p.add_argument("--prompts", type=int, metavar="N", help="use at most N prompts of the workload (default: all)")
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="do not record the next layer's predicted routing (replaying `prefetch` then uses the "
                         "actual routing of the next layer as its prediction)")
@@ -199,6 +199,8 @@ def _recording(args):
     from ..bench.workloads import Prompt, Workload, load
     from ..engine import Engine
 
+    params = decode_params(args)
+    params.validate()                       # before the model is built
     engine = Engine(engine_config(args), progress=True)
     if args.prompt:
         workload = Workload("prompts", "command line", [Prompt(f"prompt-{i:02d}", prompt=t)
@@ -213,7 +215,7 @@ def _recording(args):
         progress.i += 1
         print(f"[{progress.i}/{n}] {pid}: {len(res.token_ids)} tokens, {res.nfe} forwards", file=sys.stderr)
     progress.i = 0
-    return engine, workload, prompts, decode_params(args), progress
+    return engine, workload, prompts, params, progress
 
 
 def _record(args):

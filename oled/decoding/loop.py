@@ -32,7 +32,9 @@ class GenerationResult:
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.committed / max(self.nfe, 1)
+        """Generated tokens (EOS included) per denoising forward: the block's padding past --gen-length and the
+        positions after EOS, committed too, are not output."""
+        return len(self.token_ids) / max(self.nfe, 1)
 
     @property
     def tpot_s(self) -> float:

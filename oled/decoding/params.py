@@ -1,7 +1,12 @@
 """Decoding parameters of one request (the diffusion knobs plus sampling)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -25,10 +30,11 @@ class DecodeParams:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # numbers: NaN fails every comparison, so each range is written as what a valid value satisfies
+        if self.threshold is not None and not (_is_number(self.threshold) and 0.0 <= self.threshold <= 1.0):
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+        if not (_is_number(self.temperature) and 0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.rule not in ("threshold", "low_confidence"):
             raise ValueError(f"rule must be 'threshold' or 'low_confidence', got {self.rule!r}")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:      # what torch.Generator.manual_seed takes

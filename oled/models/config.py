@@ -186,9 +186,10 @@ def _check_types(raw: dict) -> None:
             raise ConfigError(f"{key!r} must be a number, got {v!r}")
 
 
-def _check_values(c: ModelConfig) -> None:
+def _check_values(c: ModelConfig, raw: dict) -> None:
     """Values that would crash or silently corrupt decoding later (an EOS that can never be generated, a group
-    router with no group) are refused here, naming the config key."""
+    router with no group) are refused here, naming the config key; a value config.json does not hold is said to come
+    from the architecture's defaults (or, for pad_token_id, from eos_token_id)."""
     def fail(field_name, why):
         raise ConfigError(f"{CONFIG_KEY.get(field_name, field_name)!r} {why}")
 
@@ -196,8 +197,14 @@ def _check_values(c: ModelConfig) -> None:
         if getattr(c, name) < 1:
             fail(name, f"must be at least 1, got {getattr(c, name)}")
     for name in TOKEN_ID_FIELDS:
-        if not 0 <= getattr(c, name) < c.vocab_size:
-            fail(name, f"{getattr(c, name)} is outside the vocabulary (vocab_size {c.vocab_size})")
+        value = getattr(c, name)
+        if 0 <= value < c.vocab_size:
+            continue
+        if raw.get(name) is not None:
+            fail(name, f"{value} is outside the vocabulary (vocab_size {c.vocab_size})")
+        source = "eos_token_id" if name == "pad_token_id" else f"the {c.model_type} default (the architecture table)"
+        fail(name, f"is missing from config.json, and the value taken from {source}, {value}, is outside the "
+                   f"vocabulary (vocab_size {c.vocab_size}): add {name} to config.json")
     if c.top_k > c.num_experts:
         fail("top_k", f"{c.top_k} is larger than num_experts {c.num_experts}")
     if c.num_experts % c.n_group:
@@ -236,7 +243,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         torch_dtype=str(_get(raw, "dtype", "torch_dtype", default="bfloat16")),
         extra=raw, **fields,
     )
-    _check_values(config)
+    _check_values(config, raw)
     return config
 
 
@@ -245,7 +252,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"config.json must be a JSON object") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON ({e})") from None
     try:

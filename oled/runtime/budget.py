@@ -34,8 +34,9 @@ class ExpertBudget:
     def fraction(self) -> float:
         return self.bytes / self.total_expert_bytes
 
-    def describe(self) -> str:
-        return (f"{self.bytes / 2**30:.2f} GiB of routed experts on the GPU ({self.fraction:.0%}: "
+    def describe(self, place: str = "on the GPU") -> str:
+        """One line; `place` says where the slots live ("on the GPU", or the cache's device on a CPU run)."""
+        return (f"{self.bytes / 2**30:.2f} GiB of routed experts {place} ({self.fraction:.0%}: "
                 f"{self.slots_per_layer} of {self.total_expert_bytes // self.expert_bytes // self.num_layers} "
                 f"experts per layer)")
 

@@ -2,9 +2,10 @@
 
 Requests are validated strictly, like the OpenAI API: wrong types are not coerced ("5" is not an integer) and an
 unknown field is an error ("Unrecognized request argument supplied"). Standard OpenAI fields that the engine has no
-use for (top_p, penalties, logit_bias, user, ...) are accepted and ignored; fields it cannot honour (n > 1,
-logprobs, echo, tools, ...) are answered with 400. The diffusion knobs are extra body fields: block_length,
-threshold, steps, rule, cache.
+use for (top_p, penalties, logit_bias, user, ...) are accepted (in their OpenAI ranges) and ignored; fields it cannot
+honour (n > 1, logprobs, echo, tools, ...) are answered with 400. The diffusion knobs are extra body fields:
+block_length, threshold, steps, rule, cache. Prompts and message contents are tokenized as text (a special token
+written in them is its characters) unless the extra field allow_special_tokens is true.
 
 Bodies are parsed and validated in one pass by pydantic's JSON parser (`model_validate_json`), which refuses what
 Python's `json` lets through to fail later: lone surrogates in strings (they cannot be tokenized or encoded back),
@@ -23,6 +24,10 @@ from .serving import RequestError
 PROMPT_TYPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 SEED_RANGE = (-2**63, 2**63 - 1)         # OpenAI's seed is an int64
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+ALLOW_SPECIAL_TOKENS = ("Parse special tokens written in the prompt or the messages' contents (<|mask|>, "
+                        "<|role_end|>, ...) as those tokens. Default false: they are tokenized as text, so that a "
+                        "message cannot end its turn and open another, nor place a mask; the chat template's own "
+                        "markers are the only special tokens.")
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +47,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     # accepted and ignored
-    top_p: float | None = None
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -53,6 +58,7 @@ class _Request(BaseModel):
     steps: int | None = Field(None, ge=1)
     rule: Literal["threshold", "low_confidence"] | None = None
     cache: Literal["none", "prefix", "dual"] | None = None
+    allow_special_tokens: bool | None = Field(None, description=ALLOW_SPECIAL_TOKENS)
 
 
 class CompletionRequest(_Request):
@@ -89,7 +95,7 @@ class ChatCompletionRequest(_Request):
     store: bool | None = None
 
 
-VALUE_ERRORS = {"greater_than_equal", "less_than_equal", "finite_number", "literal_error"}
+VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than_equal", "finite_number", "literal_error"}
 
 
 class ErrorDetail(BaseModel):

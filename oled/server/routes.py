@@ -32,6 +32,8 @@ from .serving import EngineWorker, InternalError, Job, RequestError, Translator,
 log = logging.getLogger("oled.server")
 POLL_S = 0.25            # how often a waiting non-streaming request checks that its client is still there
 CLIENT_GONE = 499        # metrics status of a request whose client left before any answer (nginx's code)
+DESCRIPTION = ("OpenAI-compatible server for MoE diffusion LLMs. Prompts and message contents are tokenized as "
+               "text unless a request sets the field allow_special_tokens: " + P.ALLOW_SPECIAL_TOKENS)
 
 
 class CountRequests:
@@ -96,7 +98,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         finally:
             worker.stop()
 
-    app = FastAPI(title="OLED-MoE", description="OpenAI-compatible server for MoE diffusion LLMs", lifespan=lifespan)
+    app = FastAPI(title="OLED-MoE", description=DESCRIPTION, lifespan=lifespan)
     app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
     publish_request_bodies(app)
     # the last added runs first: count every request, then check its Host, then read its body
@@ -260,7 +262,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     async def completions(request: Request):
         req = P.parse(P.CompletionRequest, await request.body())
         translator.check_model(req.model)
-        prompts = await run_in_threadpool(translator.completion_prompts, req.prompt)
+        prompts = await run_in_threadpool(translator.completion_prompts, req.prompt, bool(req.allow_special_tokens))
         return await run(request, req, translator.params(req, prompts, "prompt"), chat=False)
 
     @app.post("/v1/chat/completions", dependencies=posted, responses=completion_errors,
@@ -268,7 +270,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     async def chat_completions(request: Request):
         req = P.parse(P.ChatCompletionRequest, await request.body())
         translator.check_model(req.model)
-        prompts = await run_in_threadpool(translator.chat_prompt, req.messages)
+        prompts = await run_in_threadpool(translator.chat_prompt, req.messages, bool(req.allow_special_tokens))
         return await run(request, req, translator.params(req, prompts, "messages"), chat=True)
 
     return app

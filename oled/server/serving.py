@@ -95,8 +95,9 @@ class Translator:
             raise RequestError(f"The model {model!r} does not exist; this server serves {', '.join(self.names)}",
                                status=404, param="model", code="model_not_found")
 
-    def completion_prompts(self, prompt) -> list[list[int]]:
-        """prompt: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def completion_prompts(self, prompt, special_tokens: bool = False) -> list[list[int]]:
+        """prompt: a string, a list of strings, a list of token ids, or a list of token-id lists. A string is
+        tokenized as text unless special_tokens (then a special token written in it is that token)."""
         if isinstance(prompt, str):
             items = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -110,7 +111,7 @@ class Translator:
         out = []
         for p in items:
             if isinstance(p, str):
-                ids = self.encode(p, "prompt")
+                ids = self.encode(p, "prompt", special_tokens)
             else:
                 ids = list(p)
                 bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -122,12 +123,17 @@ class Translator:
             out.append(ids)
         return out
 
-    def chat_prompt(self, messages) -> list[list[int]]:
+    def chat_prompt(self, messages, special_tokens: bool = False) -> list[list[int]]:
+        """The chat template's ids: its markers special tokens, the contents text unless special_tokens."""
         if not messages:
             raise RequestError("messages must contain at least one message", param="messages")
         plain = []
         for i, m in enumerate(messages):
             content = m.content
+            if content is None or content == []:         # OpenAI refuses both (null only goes with tool calls)
+                raise RequestError(f"messages[{i}].content must be a string or a non-empty list of text parts, got "
+                                   f"{'null' if content is None else '[]'}", param=f"messages.{i}.content",
+                                   code="invalid_value")
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
@@ -140,16 +146,20 @@ class Translator:
                     texts.append(part.text)
                 content = "".join(texts)
             role = "system" if m.role == "developer" else m.role
-            plain.append({"role": role, "content": content or ""})
-        return [self.encode(self.tokenizer.chat_prompt(plain), "messages")]
+            plain.append({"role": role, "content": content})
+        self._check_length(len(self.tokenizer.chat_prompt(plain)), "messages")
+        return [self.tokenizer.chat_ids(plain, special_tokens)]
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, special_tokens: bool = False) -> list[int]:
         """Tokenize a prompt (slow for long texts: callers run this off the event loop)."""
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+        self._check_length(len(text), param)
+        return self.tokenizer.encode(text, special_tokens)
+
+    def _check_length(self, chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise RequestError(f"This model's maximum context length is {self.max_positions} tokens; a prompt of "
-                               f"{len(text)} characters needs more than that. Please shorten the prompt.",
+                               f"{chars} characters needs more than that. Please shorten the prompt.",
                                param=param, code="context_length_exceeded")
-        return self.tokenizer.encode(text)
 
     def params(self, req, prompts: list[list[int]], prompt_param: str) -> Prepared:
         d = self.defaults
@@ -257,7 +267,7 @@ def diffusion_info(results, records, params: DecodeParams, queue_s: float) -> di
     return {
         "nfe": nfe,
         "cache_forwards": sum(r.cache_forwards for r in results),
-        "tokens_per_forward": sum(r.committed for r in results) / max(nfe, 1),
+        "tokens_per_forward": tokens / max(nfe, 1),
         "tpot_s": decode_s / max(tokens, 1),
         "prefill_s": sum(r.prefill_s for r in results),
         "decode_s": decode_s,

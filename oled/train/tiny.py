@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-time budget including evaluation and saving")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (also sets the schedule)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many steps (also sets the schedule; default: when --minutes runs out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny dimensions and batch for a CPU smoke run")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 64; quick 8)")
@@ -73,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bias-rate", type=float, default=1e-3, help="expert_bias update speed u")
     p.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50; quick 5)")
     p.add_argument("--eval-every-s", type=float, default=None, help="seconds between held-out checks (default 45)")
-    p.add_argument("--val-windows", type=int, default=None, help="held-out windows of the periodic check")
-    p.add_argument("--eval-max-windows", type=int, default=None, help="cap on held-out windows of the final eval")
+    p.add_argument("--val-windows", type=int, default=None,
+                   help="held-out windows of the periodic check (default 96; quick 8)")
+    p.add_argument("--eval-max-windows", type=int, default=None,
+                   help="cap on held-out windows of the final eval (default: all)")
     p.add_argument("--max-shard-mb", type=float, default=10.0, help="safetensors shard size (0 = one file)")
     p.add_argument("--vocab-size", type=int, default=6144, help="only used if the corpus has no tokenizer yet")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TinyConfig field, e.g. --model num_experts=64")
     return p
