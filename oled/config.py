@@ -87,6 +87,6 @@ class EngineConfig:
 
 # EngineConfig's Triton-kernel switches, in field order (the CLI's --fused-* flags, `--fused` for all)
 FUSED_KERNELS = tuple(f.name for f in fields(EngineConfig) if f.name.startswith("fused_"))
-# the kernels that stay off unless asked for: the skinny GEMM was slower than cuBLAS on the H200 (BENCHMARKS.md
-# section 25: 510 us a forward against 399)
+# the kernels that stay off unless asked for: the skinny GEMM was slower than cuBLAS (docs/decisions.md:
+# fused-linear-off)
 FUSED_OPT_IN = frozenset({"fused_linear"})

@@ -199,7 +199,7 @@ def markdown(rows: list[dict], skipped: list[dict] = (), images: dict | None = N
     if skipped:
         lines += ["", "## Skipped runs", ""]
         lines += [f"- `{s['policy_label']}` at {s['budget']} on `{s['workload']}`: {s['reason']}" for s in skipped]
-    lines += ["", "## Definitions (docs/DESIGN.md section 7)", ""]
+    lines += ["", "## Definitions (docs/DESIGN.md, Metrics)", ""]
     lines += [f"- **{label}**" + (f" ({unit})" if unit else "") + f": {definition}."
               for label, unit, definition in METRICS.values()]
     lines += ["- **Lossless check**: greedy outputs equal to `full` (token agreement 100 %)."]

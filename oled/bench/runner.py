@@ -1,4 +1,4 @@
-"""`oled bench`: every policy x budget x workload side by side, in one process (docs/DESIGN.md section 8).
+"""`oled bench`: every policy x budget x workload side by side, in one process (docs/DESIGN.md, Benchmarking rules).
 
 The model and the expert store are loaded once; each (policy, budget) gets a fresh expert manager through
 Engine.set_runtime (the previous cache pool is freed first). Per workload, a reference pass with `full` (when every

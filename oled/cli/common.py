@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert residency policy (default: %(default)s)")
     g.add_argument("--waves", action="store_true",
                    help="oled, oled-coop: a layer's misses beyond the slots not holding a hit may load in further "
-                        "waves instead of all going to the CPU (slower than one wave on the H200; default: off)")
+                        "waves instead of all going to the CPU (docs/decisions.md: one-wave; default: off)")
     g.add_argument("--misses", choices=["load", "cooperative"],
                    help="lru, lfu, prefetch, oled-coop: load every miss (the baselines' default), or let the "
                         "planner split misses between loading and the CPU on the measured costs")
@@ -133,7 +133,7 @@ def add_execution_args(g) -> None:
 
 def add_fused_args(g) -> None:
     """--[no-]fused-X for each Triton kernel and --[no-]fused for all of them; fused_fields turns them into the
-    EngineConfig fields (None where not given: on where they compile, BENCHMARKS.md section 17)."""
+    EngineConfig fields (None where not given: on where they compile, docs/decisions.md: triton-kernels)."""
     for name in FUSED_KERNELS:
         default = ("off, asked for only" if name in FUSED_OPT_IN else
                    "on with a CUDA device and Triton, torch's path elsewhere")
@@ -141,8 +141,7 @@ def add_fused_args(g) -> None:
                        help=f"{FUSED_HELP[name]} (needs Triton and CUDA; default: {default})")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="--fused: every --fused-* kernel above, asked for (an error where one cannot run); "
-                        "--no-fused: torch's kernels everywhere (on the H200 the kernels made a forward of `full` "
-                        "2.2-2.3 x faster: BENCHMARKS.md sections 16-17; default: each kernel's own default)")
+                        "--no-fused: torch's kernels everywhere (slower; default: each kernel's own default)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:

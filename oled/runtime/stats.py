@@ -1,4 +1,4 @@
-"""Per-layer, per-forward expert statistics (docs/DESIGN.md sections 5.7 and 7), kept as plain Python records."""
+"""Per-layer, per-forward expert statistics (docs/DESIGN.md, Statistics and Metrics), kept as plain Python records."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -1,4 +1,4 @@
-"""The locality report of a trace (docs/DESIGN.md section 7, "Locality").
+"""The locality report of a trace (docs/DESIGN.md, Metrics: "Locality").
 
 Definitions (E_t = the set of experts a MoE layer uses in iteration t, over every token of the forward):
 - unique experts per layer per iteration: |E_t|, over the denoising iterations (prefill and cache fills excluded).
