@@ -148,7 +148,7 @@ def test_report_renders_from_a_small_fixture(tmp_path):
     assert "| lru | 100.0% | 70.0% |" in report                            # hit rate table
     assert "### CPU pairs/iter" in report and "### hits per loaded expert" not in report   # all n/a: no table
     assert "`fiddler` at 0.5 on `code`: needs a popularity file" in report
-    assert "commit `0123456789ab`" in report and "Definitions (docs/DESIGN.md section 7)" in report
+    assert "commit `0123456789ab`" in report and "Definitions (docs/DESIGN.md, Metrics)" in report
     for name in ("tpot_code.png", "hit_util_code.png", "h2d_cpu_code.png", "breakdown_lru_0.5_code.png"):
         png = tmp_path / "plots" / name
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG", name

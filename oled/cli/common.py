@@ -8,10 +8,10 @@ from dataclasses import fields
 
 from ..config import FUSED_KERNELS, SECTIONS, EngineConfig, KernelConfig, setting_fields
 from ..decoding.params import DecodeParams
-from ..policies import POLICIES, policy_class
-from ..policies.spec import PolicySpec
+from ..policies import policy_class
+from ..policies.spec import PolicySpec, live_policies
 
-LIVE_POLICIES = [name for name in POLICIES if not policy_class(name).needs_future]   # belady: replay only
+LIVE_POLICIES = live_policies()      # belady: replay only
 TIDE_TAU = inspect.signature(policy_class("tide")).parameters["tau"].default         # tide's own default
 FIELDS = {f.name: f for f in setting_fields()}
 TOP_LEVEL = [f.name for f in fields(EngineConfig) if f.name not in SECTIONS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import policy_class, policy_options
+from . import POLICIES, policy_class, policy_options
 
 
 @dataclass
@@ -26,6 +26,8 @@ class PolicySpec:
     def parse(cls, text: str, live: bool = False) -> "PolicySpec":
         """live: refuse a policy that needs the future routing (belady: replay only)."""
         name, *opts = text.strip().split(":")
+        if live and name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(live_policies())}")
         if live and policy_class(name).needs_future:     # an unknown name is refused here, with the choices
             raise ValueError(f"policy {name!r} needs the future routing: it runs in replays only "
                              f"(oled bench --replay TRACE)")
@@ -40,6 +42,11 @@ class PolicySpec:
                 raise ValueError(f"policy {name!r} has no option {key!r} (options: {', '.join(accepted) or 'none'})")
             options[key] = _value(value)
         return cls(name, options)
+
+
+def live_policies() -> list[str]:
+    """The policies an engine runs (belady needs the future routing: replay only)."""
+    return [name for name in POLICIES if not policy_class(name).needs_future]
 
 
 def _value(text: str):
