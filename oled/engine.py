@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,7 +14,8 @@ from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict, load_config
-from .policies import POLICIES, make_policy, policy_options
+from .policies import make_policy, policy_options
+from .policies.spec import PolicySpec
 from .runtime.budget import parse_budget, parse_spec
 from .runtime.cost_model import CostModel, load_or_measure
 from .host_memory import check_host_memory
@@ -52,18 +54,22 @@ def default_model_dir() -> Path:
 class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = False):
         self.cfg = cfg
-        if cfg.waves and cfg.policy in POLICIES and "waves" not in policy_options(cfg.policy):
-            raise ValueError(f"--waves applies to oled and oled-coop (their cooperative misses), not {cfg.policy!r}")
-        if cfg.misses is not None and cfg.policy in POLICIES and "misses" not in policy_options(cfg.policy):
-            raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {cfg.policy!r} decides "
+        spec = PolicySpec.parse(cfg.policy, live=True)      # name:key=value; an unknown name or option refused
+        if cfg.waves and "waves" not in policy_options(spec.name):
+            raise ValueError(f"--waves applies to oled and oled-coop (their cooperative misses), not {spec.name!r}")
+        if cfg.misses is not None and "misses" not in policy_options(spec.name):
+            raise ValueError(f"--misses applies to lru, lfu, prefetch and oled-coop; policy {spec.name!r} decides "
                              "its misses itself")
-        if not isinstance(cfg.capture_slots, int) or cfg.capture_slots < 0:
-            raise ValueError(f"--capture-slots must be an integer >= 0, got {cfg.capture_slots!r}")
+        capture = cfg.offload.capture_slots
+        if not isinstance(capture, int) or capture < 0:
+            raise ValueError(f"--capture-slots must be an integer >= 0, got {capture!r}")
         from .runtime.cpu_kernel import check_knobs
-        check_cpu_wake(cfg.cpu_wake)        # before anything is loaded
-        check_knobs(cfg.cpu_isa, cfg.cpu_amx_min_tokens, cfg.cpu_spin_us, cfg.cpu_chunks, cfg.cpu_prefetch_distance)
+        c = cfg.cpu
+        check_cpu_wake(c.cpu_wake)        # before anything is loaded
+        check_knobs(c.cpu_isa, c.cpu_amx_min_tokens, c.cpu_spin_us, c.cpu_chunks, c.cpu_prefetch_distance)
         parse_spec(cfg.expert_budget)       # its format; against the model's experts once they are known
-        make_policy(cfg.policy, **self._policy_options(cfg))    # its name and options (a popularity file read)
+        options = self._policy_options(cfg, spec)
+        make_policy(spec.name, **options)    # its options' values (a popularity file read)
         if cfg.dtype in UNSUPPORTED_DTYPES:
             raise ValueError(f"dtype {cfg.dtype!r} is not supported: the expert store and the CPU expert kernel "
                              f"take bfloat16 or float32")
@@ -71,11 +77,11 @@ class Engine:
             raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
         self.device = pick_device(cfg.device)
         self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_*: name -> on
-        self.threads = plan_threads(cfg.torch_threads, cfg.cpu_threads)
+        self.threads = plan_threads(c.torch_threads, c.cpu_threads)
         torch.set_num_threads(self.threads.torch_threads)
         log.info("threads: %s", self.threads.describe())
         self.dtype = DTYPES[cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
-        pin = cfg.pin_memory and self.device.type == "cuda"
+        pin = cfg.offload.pin_memory and self.device.type == "cuda"
         if cfg.random_weights:
             raw = preset_config(cfg.random_weights, cfg.layers)
             config = config_from_dict(raw)
@@ -104,17 +110,23 @@ class Engine:
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self._settle_kernels()
         # the forward's machinery: the model's kernels, the KV cache, the graphs, the manager's wiring
-        self.runner = ModelRunner(self.model, cuda_graphs=cfg.cuda_graphs, offload_graphs=cfg.offload_graphs)
+        self.runner = ModelRunner(self.model, cuda_graphs=cfg.offload.cuda_graphs,
+                                  offload_graphs=cfg.offload.offload_graphs)
         self.runner.use_kernels(self.kernels, self.model_name)
         self.timer = SectionTimer(self.device) if cfg.profile else None
         self._cpu_kernel = None
         self.costs: CostModel | None = None     # measured miss-service costs, built with the first CPU policy
-        self.set_runtime(cfg.policy, cfg.expert_budget, **self._policy_options(cfg))
+        self.set_runtime(spec.name, cfg.expert_budget, **options)
 
     @staticmethod
-    def _policy_options(cfg: EngineConfig) -> dict:
-        return dict(tau=cfg.tide_tau, popularity=cfg.popularity, misses=cfg.misses,
-                    waves=int(cfg.waves) if cfg.waves else None)
+    def _policy_options(cfg: EngineConfig, spec: PolicySpec) -> dict:
+        """The policy's options: those written in --policy name:key=value and those of their own flags, each once."""
+        flags = {k: v for k, v in dict(tau=cfg.tide_tau, popularity=cfg.popularity, misses=cfg.misses,
+                                       waves=int(cfg.waves) if cfg.waves else None).items() if v is not None}
+        twice = sorted(set(flags) & set(spec.options))
+        if twice:
+            raise ValueError(f"policy {cfg.policy!r} sets {twice[0]!r}, and so does its own flag: give it once")
+        return {**flags, **spec.options}
 
     def set_runtime(self, policy: str, expert_budget, **policy_options) -> None:
         """(Re)build the budget, the policy and the expert manager over the loaded model and expert store, without
@@ -136,7 +148,7 @@ class Engine:
         if self.policy.uses_cpu:
             if self._cpu_kernel is None:
                 from .runtime.cpu_kernel import CpuExpertKernel
-                c = self.cfg
+                c = self.cfg.cpu
                 self._cpu_kernel = CpuExpertKernel(
                     num_threads=self.threads.kernel_threads, isa=c.cpu_isa, amx_min_tokens=c.cpu_amx_min_tokens,
                     pin=c.cpu_pin, spin_us=c.cpu_spin_us, chunks=c.cpu_chunks, prefetch=c.cpu_prefetch,
@@ -145,12 +157,12 @@ class Engine:
             if self.costs is None:
                 self.costs = load_or_measure(self.store, cpu_kernel, self.device)
                 log.info("miss service: %s", self.costs.describe())
+        # the settings as they resolved here: the kernels that run, the mapped path on or off
         manager = ExpertManager(self.store, self.budget, self.policy, self.device, cpu_kernel, self.timer,
-                                costs=self.costs if cpu_kernel is not None else None, cpu_wake=self.cfg.cpu_wake,
-                                cpu_cost_feedback=self.cfg.cpu_cost_feedback, fused_moe=self.kernels["fused_moe"],
-                                mapped_misses=self._mapped_misses(), capture_slots=self.cfg.capture_slots,
-                                shared_stream=self.cfg.shared_stream, shared_in_moe=self.cfg.shared_in_moe,
-                                cpu_share=self.cfg.cpu_share)
+                                costs=self.costs if cpu_kernel is not None else None,
+                                kernels=replace(self.cfg.kernels, **self.kernels),
+                                offload=replace(self.cfg.offload, mapped_misses=self._mapped_misses()),
+                                cpu=self.cfg.cpu)
         self.runner.attach(manager)     # graphs hold the pool's addresses and a placement: new ones
 
     # EngineConfig.fused_* field -> (its kernel module, a kernel of it)
@@ -172,7 +184,7 @@ class Engine:
         auto = self.device.type == "cuda" and triton_support.available()
         picked = {}
         for name in FUSED_KERNELS:
-            asked = getattr(cfg, name)
+            asked = getattr(cfg.kernels, name)
             if asked:
                 self._check_triton_runs(f"--{name.replace('_', '-')}", *self.KERNELS[name])
             picked[name] = (auto and name not in self.OPT_IN) if asked is None else bool(asked)
@@ -181,14 +193,15 @@ class Engine:
     def _mapped_misses(self) -> bool:
         """EngineConfig.mapped_misses, None resolved: on with the fused MoE kernels compiled for CUDA and a pinned
         store (asked for without them, the manager refuses it in one line)."""
-        if self.cfg.mapped_misses is None:
+        asked = self.cfg.offload.mapped_misses
+        if asked is None:
             return self.kernels["fused_moe"] and self.device.type == "cuda" and self.store.pinned
-        return self.cfg.mapped_misses
+        return asked
 
     def _settle_kernels(self) -> None:
         """The kernels that depend on the model, once it is loaded: the fused router implements LLaDA2's routing
         only, so left at its default it is off for another model's (asked for, that is an error)."""
-        if self.cfg.fused_router is None and self.config.router != "sigmoid_group":
+        if self.cfg.kernels.fused_router is None and self.config.router != "sigmoid_group":
             self.kernels["fused_router"] = False
 
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:

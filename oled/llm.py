@@ -4,14 +4,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-from .config import EngineConfig
+from .config import SECTIONS, SETTING_NAMES, EngineConfig
 from .decoding.params import DecodeParams
 from .engine import Engine
 from .runtime.stats import Aggregate
 
 STATS_HISTORY = 100     # per-request summaries LLM.stats() lists; older requests remain in the total only
 
-_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+_ENGINE_FIELDS = set(SETTING_NAMES) | set(SECTIONS)
 _DECODE_FIELDS = {f.name for f in fields(DecodeParams)}
 
 
@@ -26,7 +26,7 @@ class Output:
 
 class LLM:
     """LLM("path/to/checkpoint") or LLM(random_weights="llada2-mini"), with engine options as keywords
-    (device, dtype, expert_budget, policy, ...: see EngineConfig)."""
+    (device, dtype, expert_budget, policy="oled:decay=0.5", ...: see EngineConfig)."""
 
     def __init__(self, model: str | None = None, **options):
         unknown = set(options) - _ENGINE_FIELDS

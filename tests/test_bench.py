@@ -10,6 +10,7 @@ import torch
 
 from oled.bench import METRICS, BenchConfig, PolicySpec, render, run_bench
 from oled.bench import workloads as wl
+from oled.config import SETTING_NAMES, EngineConfig
 from oled.decoding.params import DecodeParams
 
 from .costs import balanced_costs
@@ -22,11 +23,13 @@ AGGREGATE = ("median", "min", "max", "spread", "values")
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(random_weights="tiny", policies=["full", "lru"], budgets=["1.0", "0.5"], workloads=["code"],
+    """A small grid; engine settings (tide_tau, popularity, ...) given flat go to its EngineConfig."""
+    engine = {k: kw.pop(k) for k in list(kw) if k in SETTING_NAMES}
+    base = dict(policies=["full", "lru"], budgets=["1.0", "0.5"], workloads=["code"],
                 prompts=2, repeats=1, warmup=1, decode=DecodeParams(gen_length=16, block_length=16),
                 out=str(tmp_path / "bench"), progress=False)
     base.update(kw)
-    return BenchConfig(**base)
+    return BenchConfig(engine=EngineConfig(**{"random_weights": "tiny", **engine}), **base)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +148,7 @@ def test_report_renders_from_a_small_fixture(tmp_path):
     assert "| lru | 100.0% | 70.0% |" in report                            # hit rate table
     assert "### CPU pairs/iter" in report and "### hits per loaded expert" not in report   # all n/a: no table
     assert "`fiddler` at 0.5 on `code`: needs a popularity file" in report
-    assert "commit `0123456789ab`" in report and "Definitions (docs/DESIGN.md section 7)" in report
+    assert "commit `0123456789ab`" in report and "Definitions (docs/DESIGN.md, Metrics)" in report
     for name in ("tpot_code.png", "hit_util_code.png", "h2d_cpu_code.png", "breakdown_lru_0.5_code.png"):
         png = tmp_path / "plots" / name
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG", name

@@ -85,7 +85,7 @@ def test_serve_rejects_a_bad_model():
 
 @pytest.mark.parametrize("args, message", [
     (["--port", "abc"], "argument --port: invalid int value"),
-    (["--random-weights", "tiny", "--policy", "nope"], "argument --policy: invalid choice: 'nope'"),
+    (["--random-weights", "tiny", "--policy", "nope"], "unknown policy 'nope'; choose from oled, oled-retain"),
     (["--random-weights", "no-such-preset"], "unknown preset"),
     (["--random-weights", "tiny", "--port", "70000"], "--port must be between 0 and 65535"),
     (["--random-weights", "tiny", "--max-queue", "-1"], "--max-queue must be >= 0"),

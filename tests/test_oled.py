@@ -321,9 +321,8 @@ def test_belady_misses_between_the_exact_bound_and_loading_every_miss(seed):
 
 
 def test_belady_is_replay_only_and_bounds_the_loads(tiny_trace):
-    with pytest.raises(RuntimeError, match="trace replay only"):
-        oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="belady",
-                 expert_budget="0.5").generate("hi", gen_length=8)
+    with pytest.raises(ValueError, match="it runs in replays only"):       # refused before the model is built
+        oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="belady", expert_budget="0.5")
     for budget in ("0.4", "0.25"):
         best = replay(tiny_trace, "belady", budget).stats.summary()["totals"]["loads"]
         for name in ("lru", "lfu", "oled-retain"):

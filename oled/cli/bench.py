@@ -12,16 +12,22 @@ from __future__ import annotations
 import sys
 
 from ..policies import POLICIES
-from .common import TIDE_TAU, add_decode_args, add_execution_args
+from .common import TIDE_TAU, add_decode_args, add_engine_args, add_settings, decode_params, engine_config
+
+# the engine settings a grid sets per run (--policies, --budgets), and those of one answer only
+BENCH_SKIP = ("model", "random_weights", "expert_budget", "policy", "misses", "waves", "torch_threads")
+BENCH_HELP = {"random_weights": "random weights with a preset's shapes (default: none, the checkpoint of --model)",
+              "seed": "random-weights and run seed",
+              "tide_tau": f"tide: refresh period, or give tide:tau=N (default: {TIDE_TAU})",
+              "popularity": "fiddler: popularity file (default: calibrated on each workload with the reference pass, "
+                            "or from the trace when replaying)"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark policies x budgets x workloads side by side",
                        description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--model", help="Hugging Face checkpoint directory (default: the bundled tiny model)")
-    src.add_argument("--random-weights", metavar="PRESET",
-                     help="random weights with a preset's shapes (default: none, the checkpoint of --model)")
+    add_settings(src, ("model", "random_weights"), helps=BENCH_HELP)
     src.add_argument("--replay", metavar="TRACE", help="replay a trace from `oled trace` through the policies "
                                                        "(CPU simulation: hit rates, loads, CPU pairs; no timing; "
                                                        "all its requests unless --prompts N)")
@@ -54,13 +60,8 @@ def add_parser(sub) -> None:
     g.add_argument("--no-bound", dest="bound", action="store_false",
                    help="no `belady` rows (the retention bound, replayed on the reference pass's or the trace's "
                         "routing at every budget)")
-    e = p.add_argument_group("runtime")
-    e.add_argument("--seed", type=int, default=0, help="random-weights and run seed")
-    add_execution_args(e)
-    e.add_argument("--tide-tau", type=int, help="tide: refresh period, or give tide:tau=N (default: "
-                                                 f"{TIDE_TAU})")
-    e.add_argument("--popularity", help="fiddler: popularity file (default: calibrated on each workload with the "
-                                        "reference pass, or from the trace when replaying)")
+    add_engine_args(p, skip=BENCH_SKIP, helps=BENCH_HELP)
+    e = p.add_argument_group("replay")
     e.add_argument("--cost-model", metavar="FILE",
                    help="replay: the cost model (JSON, as in a bench line's `cost_model` or ~/.cache/oled/costs/) "
                         "that cooperative policies plan on (default: the one recorded in the trace)")
@@ -71,7 +72,6 @@ def run(args) -> int:
     from ..bench import BenchConfig, render, run_bench
     from ..bench.runner import parse_list
     from ..runtime.budget import parse_spec
-    from .common import cpu_kernel_fields, decode_params, fused_fields
 
     if args.render:
         path = render(args.render, breakdown=args.breakdown)
@@ -86,18 +86,11 @@ def run(args) -> int:
         parse_spec(spec)
     decode = decode_params(args)
     decode.validate()
-    cfg = BenchConfig(policies=parse_list(args.policies), budgets=budgets,
-                      workloads=parse_list(args.workload), out=args.out, model=args.model,
-                      random_weights=args.random_weights, layers=args.layers, seed=args.seed, device=args.device,
-                      dtype=args.dtype, cpu_threads=args.cpu_threads, pin_memory=args.pin_memory,
-                      cuda_graphs=args.cuda_graphs, offload_graphs=args.offload_graphs,
-                      mapped_misses=args.mapped_misses, capture_slots=args.capture_slots, cpu_share=args.cpu_share,
-                      shared_stream=args.shared_stream, shared_in_moe=args.shared_in_moe,
-                      fused=fused_fields(args), cpu_kernel=cpu_kernel_fields(args),
-                      decode=decode, prompts=args.prompts, repeats=args.repeats, warmup=args.warmup,
-                      tide_tau=args.tide_tau, popularity=args.popularity, breakdown=args.breakdown,
-                      profile_all=args.profile_all, profile=args.profile, replay=args.replay, routing=args.routing,
-                      cost_model=args.cost_model, progress=args.progress, bound=args.bound)
+    cfg = BenchConfig(policies=parse_list(args.policies), budgets=budgets, workloads=parse_list(args.workload),
+                      out=args.out, engine=engine_config(args), decode=decode, prompts=args.prompts,
+                      repeats=args.repeats, warmup=args.warmup, breakdown=args.breakdown, profile_all=args.profile_all,
+                      profile=args.profile, replay=args.replay, routing=args.routing, cost_model=args.cost_model,
+                      progress=args.progress, bound=args.bound)
     rows = run_bench(cfg)
     if not rows:
         print("no run completed (see the messages above)", file=sys.stderr)

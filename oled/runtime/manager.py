@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from ..config import CPU_WAKE_MODES
+from ..config import CPU_WAKE_MODES, CpuConfig, KernelConfig, OffloadConfig
 from ..policies.base import Policy
 from ..policies.contract import ForwardInfo, IterationEvent
 from ..policies.costs import CostModel
@@ -50,12 +50,23 @@ def check_cpu_wake(mode: str) -> None:
         raise ValueError(f"cpu_wake must be one of {', '.join(WAKE_MODES)}, got {mode!r}")
 
 
+# Without settings the manager takes the plain paths: torch's expert GEMMs on the main stream, the host round trip
+PLAIN_KERNELS = KernelConfig(fused_moe=False, shared_stream=False, shared_in_moe=False)
+NO_MAPPED = OffloadConfig(mapped_misses=False, capture_slots=0, cpu_share=False)
+CPU_DEFAULTS = CpuConfig()
+
+
 class ExpertManager:
     def __init__(self, store: ExpertStore, budget: ExpertBudget, policy: Policy, device, cpu_kernel=None,
-                 timer: SectionTimer | None = None, costs: CostModel | None = None, cpu_wake: str = "auto",
-                 cpu_cost_feedback: bool = False, fused_moe: bool = False, mapped_misses: bool = False,
-                 capture_slots: int = 0, shared_stream: bool = False, shared_in_moe: bool = False,
-                 cpu_share: bool = False):
+                 timer: SectionTimer | None = None, costs: CostModel | None = None,
+                 kernels: KernelConfig = PLAIN_KERNELS, offload: OffloadConfig = NO_MAPPED,
+                 cpu: CpuConfig = CPU_DEFAULTS):
+        """kernels, offload, cpu: the engine's settings as resolved (Engine.set_runtime): whether the fused MoE
+        kernels run, the shared expert's stream and kernels; the mapped path, its capture slots and CPU share; when
+        the CPU kernel's workers wake and whether its costs follow its measured time."""
+        fused_moe, shared_stream, shared_in_moe = bool(kernels.fused_moe), kernels.shared_stream, kernels.shared_in_moe
+        mapped_misses, capture_slots, cpu_share = bool(offload.mapped_misses), offload.capture_slots, offload.cpu_share
+        cpu_wake, cpu_cost_feedback = cpu.cpu_wake, cpu.cpu_cost_feedback
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config, self.layers, self.layer_pos = store.config, store.layers, store.layer_pos
         self.hidden, self.inter = store.hidden, store.intermediate
