@@ -91,7 +91,7 @@ def test_figures_section_references_and_prose(tmp_path):
 
 
 def test_record_and_benchmarks(tmp_path):
-    readme = "# x\n" + "a" * 90 + "\nrun `python3 -c \"import gzip\"` (section 3, section 4)\n"
+    readme = "# x\n" + "a" * 90 + "\nrun `python3 -c \"import gzip\"` (section 3, section 4; see BENCHMARKS.md)\n"
     write(tmp_path, {"oled/__init__.py": "", "README.md": readme, "BENCHMARKS.md": "one\ntwo\n",
                      "benchmarks/h200.sh": "python3 benchmarks/used.py\n", "benchmarks/used.py": "",
                      "benchmarks/tested.py": "", "benchmarks/orphan.py": "", "benchmarks/probes/p.py": "",
@@ -118,5 +118,5 @@ def test_the_repository_keeps_the_issue_52_invariants():
     assert r["sizes"]["files_over"] == [] and r["sizes"]["classes_over"] == []
     assert r["imports"]["back_up"] == [] and r["imports"]["unlayered"] == []
     assert r["prose"]["section_refs"] == [] and r["prose"]["figures"] == []
-    assert r["record"]["README.md"]["python_c"] == 0
+    assert r["record"]["README.md"]["python_c"] == 0 and r["record"]["README.md"]["section_refs"] == 0
     assert r["settings"]["cli"]["distinct"] > 0

@@ -44,6 +44,7 @@ OPTIONAL = {"triton", "safetensors", "tokenizers", "tqdm", "matplotlib", "fastap
 TRITON_MODULE = re.compile(r"^oled\.kernels\.(triton_\w+|\w+_kernel)$")
 FIGURE = re.compile(r"\d[\d,.]*[  ]?(?:ms|µs|us|ns|[GMT]i?B/s|tok/s|TFLOP/s)\b|\d[\d,.]*[  ]?[x×] (?:faster|slower)")
 SECTION_REF = re.compile(r"\b[Ss]ection \d+|§\s?\d+|BENCHMARKS")
+NUMBERED_SECTION = re.compile(r"\b[Ss]ections? \d+|§\s?\d+")   # the README may link BENCHMARKS.md, not cite its sections
 ONE_LINER = re.compile(r"\bpython3? -c\b")
 SCRIPT_SUFFIXES = (".py", ".sh")
 SETTING_HOLDERS = {"args", "cfg", "c", "config"}     # `name=args.name`: a setting passed on by hand
@@ -226,7 +227,7 @@ def record(root: Path) -> dict:
     longest = max(((len(l), i + 1) for i, l in enumerate(lines)), default=(0, 0))
     out["README.md"].update(longest_line={"chars": longest[0], "line": longest[1]},
                             python_c=sum(len(ONE_LINER.findall(l)) for l in lines),
-                            section_refs=sum(len(SECTION_REF.findall(l)) for l in lines))
+                            section_refs=sum(len(NUMBERED_SECTION.findall(l)) for l in lines))
     return out
 
 
