@@ -163,6 +163,8 @@ class Engine:
                                 kernels=replace(self.cfg.kernels, **self.kernels),
                                 offload=replace(self.cfg.offload, mapped_misses=self._mapped_misses()),
                                 cpu=self.cfg.cpu)
+        # read here like the settings above: a benchmark switches segmented graphs between runs (h200_smoke.py)
+        self.runner.offload_graphs = self.cfg.offload.offload_graphs
         self.runner.attach(manager)     # graphs hold the pool's addresses and a placement: new ones
 
     # EngineConfig.fused_* field -> (its kernel module, a kernel of it)

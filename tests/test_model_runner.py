@@ -114,6 +114,18 @@ def test_graphs_are_made_only_where_they_can_run():
     assert runner.graphs is None                                  # offloaded, offload_graphs off
 
 
+def test_offload_graphs_is_read_by_each_set_runtime():
+    """EngineConfig.offload_graphs switched between runs (as benchmarks/h200_smoke.py does) takes effect at the next
+    set_runtime: offloaded forwards eager when off, segmented graphs when on."""
+    eng = oled.LLM(random_weights="tiny", device="cpu", dtype="float32", policy="full").engine
+    eng.runner.graph_backend, eng.runner.cuda_graphs = EmulatedGraphs(), True     # graphs on the CPU
+    eng.cfg.offload_graphs = False
+    eng.set_runtime("lru", "0.25")
+    assert eng.graphs is None
+    eng.cfg.offload_graphs = True
+    eng.set_runtime("lru", "0.25")
+    assert eng.graphs is not None and eng.graphs.segmented
+
 class _SharedOrder(_Counting):
     """A stand-in that records, per MoE layer, when the layer asks for its shared expert (shared_ahead, before it
     routes) and when the backend runs it."""
