@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -499,3 +500,21 @@ def test_compare_grids_flags_slower_cells_by_their_bytes_and_judges_the_targets(
     empty = tmp_path / "empty"
     empty.mkdir()
     assert compare.main([str(ref), str(empty)]) == 1
+
+
+def test_replay_takes_the_cost_model_of_a_gzipped_grid(tmp_path):
+    """--cost-model FILE accepts a grid's results.jsonl.gz as it accepts the JSON, and the cooperative policies and
+    the time bounds plan on it; a malformed file is one line naming it."""
+    from oled.policies.costs import CostModel
+    root = Path(__file__).parents[1]
+    grid = root / "benchmarks/results/h200/s34/call4/grid/results.jsonl.gz"
+    rows = run_bench(BenchConfig(replay=str(root / "tests/data/tiny-code.trace"), cost_model=str(grid),
+                                 policies=["oled-coop"], budgets=["0.4"], out=str(tmp_path / "r"), progress=False))
+    assert [r["status"] for r in rows if r["policy"] == "oled-coop"] == ["ok"]
+    coop_bound = [r for r in rows if r["policy"] == "bound:demand-coop-even"]
+    assert coop_bound and coop_bound[0]["cost_table"]["link_ms"] == \
+        pytest.approx(CostModel.from_file(grid).load_seconds(1) * 1e3)
+    bad = tmp_path / "bad.json"
+    bad.write_text("garbage")
+    with pytest.raises(ValueError, match=f"{bad}: malformed cost model"):
+        CostModel.from_file(bad)

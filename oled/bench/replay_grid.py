@@ -21,7 +21,7 @@ def run_replay(grid) -> None:
     trace = trace.first_requests(n)
     if sample:
         grid.say(f"replay of {cfg.replay}: {sample}")
-    costs = CostModel.from_json(Path(cfg.cost_model).read_text()) if cfg.cost_model else None
+    costs = CostModel.from_file(cfg.cost_model) if cfg.cost_model else None    # JSON, or a grid's results.jsonl[.gz]
     grid.env = dict(environment("cpu"), label="replay (CPU)")
     h = trace.header
     model = dict(h["model"], note="; ".join(filter(None, [

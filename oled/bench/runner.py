@@ -42,7 +42,7 @@ class BenchConfig:
     profile: bool = True                 # False: no profiled pass at all
     replay: str | None = None            # a trace file: replay instead of running the model
     routing: str | None = None           # a trace file: run the model with the trace's routing and commits
-    cost_model: str | None = None        # replay: cost model JSON for cooperative policies (default: the trace's)
+    cost_model: str | None = None        # replay: cost model (JSON or a grid's results) for cooperative policies and bounds
     progress: bool = True
     render: bool = True                  # write report.md and plots at the end
     bound: bool = True                   # add `belady` (the retention bound) at every budget

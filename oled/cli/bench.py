@@ -63,8 +63,9 @@ def add_parser(sub) -> None:
     add_engine_args(p, skip=BENCH_SKIP, helps=BENCH_HELP)
     e = p.add_argument_group("replay")
     e.add_argument("--cost-model", metavar="FILE",
-                   help="replay: the cost model (JSON, as in a bench line's `cost_model` or ~/.cache/oled/costs/) "
-                        "that cooperative policies plan on (default: the one recorded in the trace)")
+                   help="replay: the cost model that cooperative policies plan on and the time bounds use: a JSON file "
+                        "(as in a bench line's `cost_model` or ~/.cache/oled/costs/) or a grid's results.jsonl[.gz] "
+                        "(default: the one recorded in the trace)")
     add_decode_args(p)
 
 

@@ -181,7 +181,10 @@ class CostModel:
         with a cost model gives it."""
         text = read_results(path)
         if not str(path).removesuffix(".gz").endswith(".jsonl"):
-            return cls.from_json(text)
+            try:
+                return cls.from_json(text)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
         model = next((row["cost_model"] for row in map(json.loads, text.splitlines()) if row.get("cost_model")), None)
         if model is None:
             raise ValueError(f"{path}: no line carries a cost model")
