@@ -8,6 +8,9 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+import numpy
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -49,7 +52,6 @@ def _mem_total_gib() -> float | None:
 
 def device_label(device) -> str:
     """"CPU" for CPU runs (CPU-only figures are labelled CPU), else the GPU's name."""
-    import torch
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -58,9 +60,6 @@ def device_label(device) -> str:
 
 @lru_cache(maxsize=None)
 def _static_environment() -> dict:
-    import numpy
-    import torch
-
     from . import __version__       # the package imports this module: a cycle at the top
 
     try:
@@ -81,7 +80,6 @@ def _static_environment() -> dict:
 
 
 def environment(device) -> dict:
-    import torch
     env = dict(_static_environment())
     device = torch.device(device)
     env["device"] = str(device)
