@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy
 import torch
 
+from . import __version__
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -60,8 +62,6 @@ def device_label(device) -> str:
 
 @lru_cache(maxsize=None)
 def _static_environment() -> dict:
-    from . import __version__       # the package imports this module: a cycle at the top
-
     try:
         cpus_usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -69,7 +69,7 @@ def _static_environment() -> dict:
     versions = {"oled": __version__, "python": platform.python_version(), "torch": torch.__version__,
                 "numpy": numpy.__version__, "cuda": torch.version.cuda}
     try:
-        import matplotlib
+        import matplotlib  # optional: the bench extra
         versions["matplotlib"] = matplotlib.__version__
     except ImportError:
         pass

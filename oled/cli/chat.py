@@ -138,7 +138,7 @@ def run(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         try:
-            import readline  # noqa: F401  (line editing and history for input())
+            import readline  # noqa: F401  optional: line editing for input(), absent on some platforms
         except ImportError:
             pass
     print(f"oled chat: {engine.describe()}", file=sys.stderr)

@@ -79,10 +79,10 @@ def run(args) -> int:
     sock = _listen(args.host, args.port)     # before loading: a busy port fails fast
 
     try:
-        import uvicorn
+        import uvicorn  # optional: the serve extra
 
-        from ..server.guards import default_allowed_hosts
-        from ..server.routes import create_app
+        from ..server.guards import default_allowed_hosts  # optional: the serve extra
+        from ..server.routes import create_app  # optional: the serve extra
 
         engine = Engine(engine_config(args), progress=True)
         allowed_hosts = default_allowed_hosts(args.host) + args.allowed_host

@@ -26,7 +26,7 @@ def require_serve_deps() -> None:
 def create_app(engine, **options):
     """The FastAPI app serving `engine` (see routes.create_app for the options)."""
     require_serve_deps()
-    from .routes import create_app as _create
+    from .routes import create_app as _create  # optional: the serve extra
 
     return _create(engine, **options)
 
