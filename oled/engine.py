@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .config import FUSED_KERNELS, FUSED_OPT_IN, EngineConfig
 from .decoding.model_runner import ModelRunner
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
+from .kernels import triton_support
 from .loader import CheckpointError, build_empty, load_checkpoint, load_tensors
 from .models.config import config_from_dict, load_config
 from .policies import make_policy, policy_options
@@ -19,6 +23,7 @@ from .policies.spec import PolicySpec
 from .runtime.budget import parse_budget, parse_spec
 from .runtime.cost_model import CostModel, load_or_measure
 from .host_memory import check_host_memory
+from .runtime.cpu_kernel import CpuExpertKernel, check_knobs
 from .runtime.manager import ExpertManager, check_cpu_wake
 from .runtime.threads import plan_threads
 from .runtime.timer import SectionTimer
@@ -47,7 +52,6 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def default_model_dir() -> Path:
-    from importlib import resources
     return Path(str(resources.files("oled").joinpath("assets/tiny-model")))
 
 
@@ -63,7 +67,6 @@ class Engine:
         capture = cfg.offload.capture_slots
         if not isinstance(capture, int) or capture < 0:
             raise ValueError(f"--capture-slots must be an integer >= 0, got {capture!r}")
-        from .runtime.cpu_kernel import check_knobs
         c = cfg.cpu
         check_cpu_wake(c.cpu_wake)        # before anything is loaded
         check_knobs(c.cpu_isa, c.cpu_amx_min_tokens, c.cpu_spin_us, c.cpu_chunks, c.cpu_prefetch_distance)
@@ -90,7 +93,6 @@ class Engine:
             gen_device = self.device if self.device.type == "cuda" else "cpu"
             stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
             if progress:
-                from tqdm import tqdm
                 # disable=None: a bar on a terminal only, so errors stay one line in logs and pipes
                 stream = tqdm(stream, desc="random weights", unit="tensor", leave=False, disable=None)
             load_tensors(loaded, stream)
@@ -147,7 +149,6 @@ class Engine:
         cpu_kernel = None
         if self.policy.uses_cpu:
             if self._cpu_kernel is None:
-                from .runtime.cpu_kernel import CpuExpertKernel
                 c = self.cfg.cpu
                 self._cpu_kernel = CpuExpertKernel(
                     num_threads=self.threads.kernel_threads, isa=c.cpu_isa, amx_min_tokens=c.cpu_amx_min_tokens,
@@ -181,8 +182,6 @@ class Engine:
         """Each Triton kernel on or off: as asked (one asked for is checked to run here first), or, left at None,
         on where Triton compiles for this device (the router: once the model is known to route as LLaDA2,
         _settle_kernels), except the OPT_IN ones, off."""
-        from .kernels import triton_support
-
         auto = self.device.type == "cuda" and triton_support.available()
         picked = {}
         for name in FUSED_KERNELS:
@@ -209,10 +208,6 @@ class Engine:
     def _check_triton_runs(self, flag: str, module: str, kernel: str) -> None:
         """Before any loading: Triton is there and can run `flag`'s kernel (oled.kernels.<module>.<kernel>) on
         this device."""
-        import importlib
-
-        from .kernels import triton_support
-
         if not triton_support.available():
             raise ValueError(f"{flag} needs Triton and a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU "
                              "interpreter)")

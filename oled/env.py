@@ -8,6 +8,11 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+import numpy
+import torch
+
+from . import __version__
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -49,7 +54,6 @@ def _mem_total_gib() -> float | None:
 
 def device_label(device) -> str:
     """"CPU" for CPU runs (CPU-only figures are labelled CPU), else the GPU's name."""
-    import torch
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -58,11 +62,6 @@ def device_label(device) -> str:
 
 @lru_cache(maxsize=None)
 def _static_environment() -> dict:
-    import numpy
-    import torch
-
-    from . import __version__       # the package imports this module: a cycle at the top
-
     try:
         cpus_usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -70,7 +69,7 @@ def _static_environment() -> dict:
     versions = {"oled": __version__, "python": platform.python_version(), "torch": torch.__version__,
                 "numpy": numpy.__version__, "cuda": torch.version.cuda}
     try:
-        import matplotlib
+        import matplotlib  # optional: the bench extra
         versions["matplotlib"] = matplotlib.__version__
     except ImportError:
         pass
@@ -81,7 +80,6 @@ def _static_environment() -> dict:
 
 
 def environment(device) -> dict:
-    import torch
     env = dict(_static_environment())
     device = torch.device(device)
     env["device"] = str(device)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from .models.config import ModelConfig, load_config
 from .models.model import MoEDiffusionLM
@@ -212,8 +214,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def stream_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Tensors one at a time from the shards (memory-mapped; never the whole checkpoint in memory)."""
-    from safetensors import SafetensorError, safe_open
-
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -237,7 +237,6 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype, device, pin: bool
     loaded = build_empty(config, dtype, device, pin)
     stream = stream_checkpoint(model_dir)
     if progress:
-        from tqdm import tqdm
         stream = tqdm(stream, total=len(official_tensors(config)), desc="loading", unit="tensor", leave=False,
                       disable=None)  # None: only on a terminal
     load_tensors(loaded, stream)

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tqdm import tqdm
 
+from .loader import official_tensors
 from .models.config import ModelConfig, config_from_dict
 
 PRESETS = ("tiny", "tiny-lladamoe", "llada2-mini", "llada2-flash", "llada-moe-7b")
@@ -49,8 +53,6 @@ def _std(name: str, shape: tuple[int, ...], config: ModelConfig) -> float:
 def random_tensors(config: ModelConfig, seed: int = 0, device="cpu",
                    dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(official name, tensor, source) for every tensor of the config; each tensor depends only on (seed, name)."""
-    from .loader import official_tensors
-
     gen = torch.Generator(device=device)
     for name, shape, file_dtype in official_tensors(config):
         if "layernorm" in name or name.endswith("norm.weight"):
@@ -63,8 +65,6 @@ def random_tensors(config: ModelConfig, seed: int = 0, device="cpu",
 
 def build_tokenizer(config: ModelConfig):
     """A byte-level tokenizer with the model's vocabulary size and its special tokens at the configured ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     special = {config.eos_token_id: "<|endoftext|>", config.mask_token_id: "<|mask|>"}
     role = ["<role>", "</role>", "<|role_end|>"]
@@ -88,8 +88,6 @@ def build_tokenizer(config: ModelConfig):
 def write_checkpoint(raw_config: dict, out_dir: str | Path, seed: int = 0,
                      shard_bytes: int = 2 * 2**30, progress: bool = False) -> Path:
     """Write config.json, sharded safetensors with an index, and tokenizer.json, as published."""
-    from safetensors.torch import save_file
-
     config = config_from_dict(raw_config)          # an invalid config is refused before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,8 +95,6 @@ def write_checkpoint(raw_config: dict, out_dir: str | Path, seed: int = 0,
     build_tokenizer(config).save(str(out / "tokenizer.json"))
     stream = random_tensors(config, seed)
     if progress:
-        from tqdm import tqdm
-        from .loader import official_tensors
         stream = tqdm(stream, total=len(official_tensors(config)), desc="writing", unit="tensor")
     # Shards are flushed as they fill (the model is never whole in memory) and renamed once their count is known.
     shard: dict[str, torch.Tensor] = {}

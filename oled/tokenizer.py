@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+
 ROLE_NAMES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
 ASSISTANT_TURN = "<role>ASSISTANT</role>"
 
@@ -21,8 +23,6 @@ class TokenizerError(ValueError):
 def text_only(tok):
     """A copy of the `tokenizers` Tokenizer `tok` that never extracts an added token from text: every added token
     is marked special and special tokens are encoded as text (`encode_special_tokens`). The ids are the same."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     doc = json.loads(tok.to_str())
     for added in doc.get("added_tokens") or []:
         added["special"] = True
@@ -38,8 +38,6 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: no tokenizer.json in the model directory")

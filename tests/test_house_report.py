@@ -60,7 +60,22 @@ def test_imports_down_the_layers_and_inside_functions(tmp_path):
                      "oled/cli/x.py": "from oled.runtime import cache\nfrom oled.engine import Engine\n"})
     i = report(tmp_path)["imports"]
     assert i["back_up"] == [] and i["unlayered"] == []
-    assert (i["inside_functions"], i["deferred_optional"]) == (4, 2)
+    assert (i["inside_functions"], i["deferred_optional"], i["breaking_cycle"]) == (4, 2, 0)
+
+
+def test_deferred_imports_of_optional_modules_and_declared_cycles(tmp_path):
+    """An oled module counts as optional when its top imports reach an extra; a required dependency (tqdm) does not
+    excuse a deferral; a cycle counts only when the line says so."""
+    write(tmp_path, {"oled/__init__.py": "",
+                     "oled/server/protocol.py": "import pydantic\n",
+                     "oled/server/routes.py": "from .protocol import Request\n",
+                     "oled/engine.py": "import torch\n",
+                     "oled/cli/serve.py": "def run():\n    from ..server.routes import create_app\n"
+                                          "    import readline\n    from tqdm import tqdm\n"
+                                          "    from ..engine import Engine  # cycle: engine imports the CLI\n"
+                                          "    from ..engine import load\n"})
+    i = report(tmp_path)["imports"]
+    assert (i["inside_functions"], i["deferred_optional"], i["breaking_cycle"]) == (5, 2, 1)
 
 
 def test_settings_copied_capture_slots_and_no_cli(tmp_path):

@@ -38,9 +38,12 @@ LAYERS = (
     ("front", ("oled.server", "oled.train")),
     ("cli", ("oled.cli",)),
 )
-# Deferred imports that defer an optional dependency (or oled's own Triton kernel modules, which import Triton).
-OPTIONAL = {"triton", "safetensors", "tokenizers", "tqdm", "matplotlib", "fastapi", "uvicorn", "pydantic",
-            "prometheus_client", "schemathesis"}
+# Deferred imports that defer an optional dependency (one of pyproject's extras, what they bring, or readline,
+# which some platforms lack), or an oled module that imports one at its top (the Triton kernels, the server's app);
+# the other deferrals must say which import cycle they break with a trailing `# cycle: ...` comment.
+OPTIONAL = {"triton", "matplotlib", "fastapi", "starlette", "uvicorn", "h11", "pydantic", "prometheus_client",
+            "schemathesis", "readline"}
+CYCLE_COMMENT = re.compile(r"#\s*cycle:")
 TRITON_MODULE = re.compile(r"^oled\.kernels\.(triton_\w+|\w+_kernel)$")
 FIGURE = re.compile(r"\d[\d,.]*[  ]?(?:ms|µs|us|ns|[GMT]i?B/s|tok/s|TFLOP/s)\b|\d[\d,.]*[  ]?[x×] (?:faster|slower)")
 SECTION_REF = re.compile(r"\b[Ss]ection \d+|§\s?\d+|BENCHMARKS")
@@ -119,8 +122,9 @@ def manager(files) -> dict | None:
 
 
 def imports(files) -> dict:
-    back_up, unlayered, inner, deferred = [], set(), [], 0
-    for rel, _, tree in files:
+    back_up, unlayered, inner, deferred, cycles = [], set(), [], 0, 0
+    optional = optional_modules(files)
+    for rel, text, tree in files:
         module, package = module_name(rel)
         source = layer_of(module)
         if source is None and module != "oled":
@@ -133,13 +137,32 @@ def imports(files) -> dict:
             targets = import_targets(node, package)
             if id(node) in inside:
                 inner.append(f"{rel}:{node.lineno}")
-                deferred += any(t.split(".")[0] in OPTIONAL or TRITON_MODULE.match(t) for t in targets)
+                if any(t.split(".")[0] in OPTIONAL or t in optional or TRITON_MODULE.match(t) for t in targets):
+                    deferred += 1
+                else:
+                    cycles += bool(CYCLE_COMMENT.search(text.splitlines()[node.end_lineno - 1]))
             for t in targets:
                 target = layer_of(t)
                 if source is not None and target is not None and target > source:
                     back_up.append(f"{rel}:{node.lineno} {module} ({LAYERS[source][0]}) -> {t} ({LAYERS[target][0]})")
     return {"layers": [name for name, _ in LAYERS], "back_up": back_up, "unlayered": sorted(unlayered),
-            "inside_functions": len(inner), "deferred_optional": deferred, "inside_sites": inner}
+            "inside_functions": len(inner), "deferred_optional": deferred, "breaking_cycle": cycles,
+            "inside_sites": inner}
+
+
+def optional_modules(files) -> set[str]:
+    """The oled modules whose module-level imports reach an OPTIONAL dependency (directly or through oled)."""
+    top = {}
+    for rel, _, tree in files:
+        module, package = module_name(rel)
+        inside = {id(i) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for i in ast.walk(f)}
+        top[module] = {t for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside
+                       for t in import_targets(n, package)}
+    optional = {m for m, targets in top.items() if any(t.split(".")[0] in OPTIONAL for t in targets)}
+    while grown := {m for m, targets in top.items() if m not in optional and targets & optional}:
+        optional |= grown
+    return optional
 
 
 def settings(root: Path, files) -> dict:
@@ -286,7 +309,7 @@ def print_report(r: dict) -> None:
     if i["unlayered"]:
         print(f"modules in no layer: {', '.join(i['unlayered'])}")
     print(f"imports inside functions: {i['inside_functions']} ({i['deferred_optional']} defer Triton or an optional "
-          "dependency)")
+          f"dependency, {i['breaking_cycle']} break a cycle)")
     cli = c["cli"] or {}
     print(f"\nsettings (fields of oled/config.py's configs): {c['setting_names']}\ncopied by hand outside config.py: "
           f"{c['copied_total']} ({', '.join(f'{k} {v}' for k, v in c['copied'].items())})\ncapture_slots: "

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..decoding.params import DecodeParams
 from ..env import now
@@ -61,7 +62,6 @@ class Grid:
 
     def open_progress(self, total: int) -> None:
         if self.cfg.progress:
-            from tqdm import tqdm
             self.bar = tqdm(total=total, unit="prompt", dynamic_ncols=True, leave=True)
 
     def close_progress(self) -> None:

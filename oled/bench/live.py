@@ -23,6 +23,7 @@ from ..decoding.procedure import usable_positions
 from ..engine import Engine, default_model_dir
 from ..env import environment, now
 from ..models.config import config_from_dict
+from ..policies.fiddler import popularity_document
 from ..runtime.budget import BudgetError, parse_budget
 from ..runtime.timer import SectionTimer
 from ..synth import preset_config
@@ -264,7 +265,6 @@ class LiveRuns:
 
     def _write_popularity(self, engine, workload, popularity, policy) -> None:
         try:
-            from ..policies.fiddler import popularity_document
             doc = popularity_document(popularity, {"model": engine.model_name, "workload": workload.name,
                                                    "policy": policy, "date": now(),
                                                    "counts": "tokens per expert over every forward of the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..env import environment
+from ..kernels.triton_moe import mapped_rows
 from ..policies.spec import PolicySpec
 from ..runtime.cost_model import CostModel
 from ..trace import Trace, replay
@@ -70,6 +71,4 @@ def _mapped_rows(offload) -> int | None:
     block of pairs) or off."""
     if offload.mapped_misses is None:
         return None
-    from ..kernels.triton_moe import mapped_rows
-
     return mapped_rows(offload.mapped_misses)

@@ -234,9 +234,9 @@ def _pick_series(series: list[dict], rows: list[dict], breakdown: str | None):
 
 # ------------------------------------------------------------------------------------------------------ plots
 def make_plots(out: Path, rows: list[dict], series: list[dict], breakdown: str | None = None) -> dict:
-    import matplotlib
+    import matplotlib  # optional: the bench extra
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the bench extra
 
     pdir = out / "plots"
     pdir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from ..policies.spec import PolicySpec
 from .grid import Grid
 from .live import LiveRuns
 from .replay_grid import run_replay
+from .report import render
 
 __all__ = ["Bench", "BenchConfig", "PolicySpec", "parse_list", "run_bench"]
 
@@ -56,7 +57,6 @@ class Bench(Grid):
         else:
             LiveRuns(self).run()
         if self.cfg.render and self.rows:
-            from .report import render
             render(self.out)
         return self.rows
 

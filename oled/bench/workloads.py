@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..textfile import read_text
+from ..tokenizer import Tokenizer
 
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
 ALIASES = {"long-context": "long", "longcontext": "long", "gsm": "math"}
@@ -58,7 +59,6 @@ def available() -> list[str]:
 
 
 def _chat(messages: list[dict]) -> str:
-    from ..tokenizer import Tokenizer
     return Tokenizer.chat_prompt(messages)
 
 

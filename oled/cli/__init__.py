@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from .. import __version__
+
 COMMANDS = ("generate", "chat", "serve", "bench", "trace", "synth", "train-tiny", "calibrate")
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130            # 128 + SIGINT, as a shell reports Ctrl-C
@@ -40,8 +42,6 @@ class _SubParser(argparse.ArgumentParser):
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    from .. import __version__
-
     parser = argparse.ArgumentParser(prog="oled", description="OLED-MoE: offloaded MoE diffusion LLM inference",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"oled {__version__}")

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import sys
 
+from ..bench import BenchConfig, render, run_bench
+from ..bench.runner import parse_list
 from ..policies import POLICIES
+from ..runtime.budget import parse_spec
 from .common import TIDE_TAU, add_decode_args, add_engine_args, add_settings, decode_params, engine_config
 
 # the engine settings a grid sets per run (--policies, --budgets), and those of one answer only
@@ -70,10 +73,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..bench import BenchConfig, render, run_bench
-    from ..bench.runner import parse_list
-    from ..runtime.budget import parse_spec
-
     if args.render:
         path = render(args.render, breakdown=args.breakdown)
         print(f"wrote {path}", file=sys.stderr)

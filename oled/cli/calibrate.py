@@ -15,6 +15,11 @@ import json
 import sys
 from pathlib import Path
 
+from .. import __version__ as version
+from ..bench import workloads
+from ..engine import default_model_dir
+from ..llm import LLM
+from ..policies.fiddler import popularity_document
 from ..textfile import read_text
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
@@ -53,16 +58,10 @@ def collect_prompts(args) -> list[str]:
 
 
 def _workload(name: str, tokenizer):
-    from ..bench import workloads
     return workloads.load(name, tokenizer)
 
 
 def run(args) -> int:
-    from .. import __version__ as version
-    from ..engine import default_model_dir
-    from ..llm import LLM
-    from ..policies.fiddler import popularity_document
-
     if args.policy not in CALIBRATION_POLICIES:
         raise ValueError(f"calibrate runs with --policy full (every expert resident) or lru (when the experts do "
                          f"not fit), not {args.policy!r}")

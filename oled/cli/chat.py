@@ -11,6 +11,8 @@ import threading
 from dataclasses import replace
 
 from ..decoding.procedure import usable_positions
+from ..engine import Engine
+from ..server.text import IncrementalText
 from .common import add_decode_args, add_engine_args, add_special_tokens_arg, decode_params, engine_config
 
 HELP = "commands: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer"
@@ -66,8 +68,6 @@ class Chat:
 
     def turn(self, message: str) -> str | None:
         """Answer one message, streaming it to `out`; returns the answer, or None if it was interrupted."""
-        from ..server.text import IncrementalText
-
         ids, gen = self._fit(message)
         params = replace(self.params, gen_length=gen, stop=self.stop)
         text = IncrementalText(self.engine.tokenizer, self.stop)
@@ -132,15 +132,13 @@ def _read_line(interactive: bool) -> str | None:
 
 
 def run(args) -> int:
-    from ..engine import Engine
-
     params = decode_params(args)
     params.validate()
     engine = Engine(engine_config(args), progress=True)
     interactive = sys.stdin.isatty()
     if interactive:
         try:
-            import readline  # noqa: F401  (line editing and history for input())
+            import readline  # noqa: F401  optional: line editing for input(), absent on some platforms
         except ImportError:
             pass
     print(f"oled chat: {engine.describe()}", file=sys.stderr)

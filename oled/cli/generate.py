@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..llm import LLM
 from .common import add_decode_args, add_engine_args, add_special_tokens_arg, decode_params, engine_config
 
 
@@ -20,8 +21,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..llm import LLM
-
     params = decode_params(args)
     params.validate()                    # before the model is built
     llm = LLM(**engine_config(args).to_dict())

@@ -10,8 +10,9 @@ import os
 import socket
 import sys
 
-from ..server import BODY_TIMEOUT_S, MAX_BODY_BYTES
-from ..server.header_deadline import HEADER_TIMEOUT_S
+from ..engine import Engine
+from ..server import BODY_TIMEOUT_S, MAX_BODY_BYTES, require_serve_deps
+from ..server.header_deadline import HEADER_TIMEOUT_S, header_deadline_protocol
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 
@@ -65,8 +66,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args) -> int:
-    from ..server import require_serve_deps
-
     require_serve_deps()
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -80,12 +79,10 @@ def run(args) -> int:
     sock = _listen(args.host, args.port)     # before loading: a busy port fails fast
 
     try:
-        import uvicorn
+        import uvicorn  # optional: the serve extra
 
-        from ..engine import Engine
-        from ..server.guards import default_allowed_hosts
-        from ..server.header_deadline import header_deadline_protocol
-        from ..server.routes import create_app
+        from ..server.guards import default_allowed_hosts  # optional: the serve extra
+        from ..server.routes import create_app  # optional: the serve extra
 
         engine = Engine(engine_config(args), progress=True)
         allowed_hosts = default_allowed_hosts(args.host) + args.allowed_host

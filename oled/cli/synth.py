@@ -1,11 +1,11 @@
 """`oled synth --preset P OUT_DIR`: write a random-weight checkpoint in the published layout."""
 from __future__ import annotations
 
+from ..synth import PRESETS, preset_config, write_checkpoint
+from .common import positive_int
+
 
 def add_parser(sub) -> None:
-    from ..synth import PRESETS
-    from .common import positive_int
-
     p = sub.add_parser("synth", help="write a random-weight checkpoint with a preset's shapes")
     p.add_argument("out_dir", help="directory to write (created if needed)")
     p.add_argument("--preset", required=True, choices=PRESETS, help="the shapes to use")
@@ -15,8 +15,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..synth import preset_config, write_checkpoint
-
     out = write_checkpoint(preset_config(args.preset, args.layers), args.out_dir, seed=args.seed,
                            shard_bytes=int(args.shard_gib * 2**30), progress=True)
     print(out)

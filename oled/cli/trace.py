@@ -14,7 +14,16 @@ from __future__ import annotations
 import json
 import sys
 
-from ..trace.reports import BURST_STEPS, SUBREPORTS, WINDOWS
+from ..bench.runner import parse_list
+from ..bench.workloads import Prompt, Workload, load
+from ..engine import Engine
+from ..policies.reuse import calibrate
+from ..trace import Trace, format_locality, locality, record_trace, replay
+from ..trace.predictor import format_predictor_report, predictor_report
+from ..trace.realism import format_realism, markdown_table, realism
+from ..trace.reports import BURST_STEPS, SUBREPORTS, WINDOWS, ReportOptions, run_subreport, unused_options
+from ..trace.runner_ups import coverage, record_with_runner_ups
+from ..trace.selection import expert_bytes, replay_costs
 from .common import add_decode_args, add_engine_args, decode_params, engine_config
 
 PREDICTOR_BUDGETS = "0.6,0.4,0.25"
@@ -72,8 +81,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..trace import Trace
-
     _check(args)
     if args.runner_ups:
         return _runner_ups(args)
@@ -87,7 +94,6 @@ def run(args) -> int:
                 path = traces[0].save(args.out)
                 print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): {traces[0].describe()}", file=sys.stderr)
         if args.markdown:
-            from ..trace.realism import markdown_table, realism
             reports = [realism(trace) for trace in traces]
             print(markdown_table(list(zip(args.report, reports))))
         else:
@@ -114,7 +120,6 @@ def _check(args) -> None:
     if args.subreport and args.predictor:
         raise ValueError(f"give --predictor or --{args.subreport}, not both")
     if args.subreport:
-        from ..trace.reports import unused_options
         unused = unused_options(SUBREPORTS[args.subreport], vars(args))
         if unused:
             raise ValueError(f"--{args.subreport} does not use --{unused[0].replace('_', '-')}")
@@ -138,19 +143,11 @@ def _ints(text: str) -> list[int]:
 
 def _reports(trace, args):
     """The report --report (or a recording) prints for one trace; returned for --json."""
-    from ..bench.runner import parse_list
-    from ..trace import format_locality, locality
-    from ..trace.realism import format_realism, realism
-    from ..trace.selection import replay_costs
-
     if args.calibrate_reuse:
-        from ..policies.reuse import calibrate
         with open(args.calibrate_reuse, "w") as f:
             f.write(calibrate([trace]).to_json())
         print(f"wrote {args.calibrate_reuse}", file=sys.stderr)
     if args.subreport:
-        from ..trace.reports import ReportOptions, run_subreport
-        from ..trace.selection import expert_bytes
         opts = ReportOptions(capture_slots=args.capture_slots, costs=replay_costs(args.cost_model),
                              expert_bytes=expert_bytes(args.expert_mib, int(trace.header["model"]["expert_bytes"])),
                              **({"windows": tuple(_ints(args.windows))} if args.windows else {}),
@@ -163,7 +160,6 @@ def _reports(trace, args):
             rows.append(row)
         return rows
     if args.predictor:
-        from ..trace.predictor import format_predictor_report, predictor_report
         rep = predictor_report(trace, parse_list(args.budgets or PREDICTOR_BUDGETS), replay_costs(args.cost_model))
         print(format_predictor_report(rep))
         return rep
@@ -175,8 +171,6 @@ def _reports(trace, args):
 
 def _runner_ups(args) -> int:
     """--runner-ups: record with the wider routing and print a row per m."""
-    from ..trace.runner_ups import coverage, record_with_runner_ups
-
     runner_ups = _ints(args.runner_ups)
     engine, workload, prompts, params, progress = _recording(args)
     trace, wide = record_with_runner_ups(engine, prompts, params, max(runner_ups), workload=workload.describe(),
@@ -196,9 +190,6 @@ def _runner_ups(args) -> int:
 
 def _recording(args):
     """The engine, workload, prompts [(id, ids)], decoding settings and progress printer of a recording."""
-    from ..bench.workloads import Prompt, Workload, load
-    from ..engine import Engine
-
     params = decode_params(args)
     params.validate()                       # before the model is built
     engine = Engine(engine_config(args), progress=True)
@@ -219,8 +210,6 @@ def _recording(args):
 
 
 def _record(args):
-    from ..trace import record_trace, replay
-
     engine, workload, prompts, params, progress = _recording(args)
     cfg = engine.cfg
     trace, _ = record_trace(engine, prompts, params, workload=workload.describe(), predictions=args.predictions,

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.triton_attention import attention
+from ..kernels.triton_norm import qk_norm_rope
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, linear
 
@@ -56,8 +58,6 @@ class Attention(nn.Module):
         else:
             q, k, v = (linear(x, proj.weight, skinny) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.fused:
-            from ..kernels.triton_norm import qk_norm_rope
-
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             q = qk_norm_rope(q, k, v, cos, sin, *norms, eps, positions, k_cache, v_cache)       # [heads, T, D]
@@ -72,8 +72,6 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, positions, v.transpose(0, 1))
             q = q.transpose(0, 1)
         if self.fused_attention:
-            from ..kernels.triton_attention import attention
-
             out = attention(q, k_cache, v_cache, key_len, positions, visible.kv_end, visible.block_length)
         else:
             out = F.scaled_dot_product_attention(

@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels import triton_router
+
 
 def gate_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """LLaDA2's gate logits [T, E], in fp32 (the fused router's gate kernel: the same products, its own sum order)."""
@@ -100,10 +102,7 @@ def route(config, hidden: torch.Tensor, weight: torch.Tensor, expert_bias: torch
     kernels (oled/kernels/triton_router.py; the same ids and weights up to the fp32 sums' order)."""
     bias = expert_bias if config.use_expert_bias else None
     if config.router == "sigmoid_group":
-        if fused:
-            from ..kernels.triton_router import sigmoid_group_route as group_route
-        else:
-            group_route = sigmoid_group_route
+        group_route = triton_router.sigmoid_group_route if fused else sigmoid_group_route
         return group_route(
             hidden, weight, bias, top_k=config.top_k, n_group=config.n_group, topk_group=config.topk_group,
             routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)

@@ -9,6 +9,8 @@ document) and `routes` (the FastAPI app). FastAPI, uvicorn and pydantic are opti
 """
 from __future__ import annotations
 
+import importlib.util
+
 SERVE_DEPS = ("fastapi", "uvicorn", "pydantic")
 MAX_BODY_BYTES = 8 * 2**20      # the default body limit: 16 prompts of 32k token ids fit, a 20 MB prompt does not
 BODY_TIMEOUT_S = 30.0           # the default time a request body may take to arrive
@@ -16,8 +18,6 @@ BODY_TIMEOUT_S = 30.0           # the default time a request body may take to ar
 
 def require_serve_deps() -> None:
     """Raise RuntimeError (one line) when an optional serving dependency is missing."""
-    import importlib.util
-
     missing = [m for m in SERVE_DEPS if importlib.util.find_spec(m) is None]
     if missing:
         raise RuntimeError(f"the server needs {', '.join(missing)} (not installed): pip install 'oled[serve]'")
@@ -26,7 +26,7 @@ def require_serve_deps() -> None:
 def create_app(engine, **options):
     """The FastAPI app serving `engine` (see routes.create_app for the options)."""
     require_serve_deps()
-    from .routes import create_app as _create
+    from .routes import create_app as _create  # optional: the serve extra
 
     return _create(engine, **options)
 

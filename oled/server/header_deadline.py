@@ -14,8 +14,8 @@ HEADER_TIMEOUT_S = 10.0     # the default time a request's line and headers may 
 
 def header_deadline_protocol(seconds: float):
     """uvicorn's H11Protocol with a header deadline of `seconds` (pass the class as uvicorn.Config(http=...))."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    import h11  # optional: the serve extra
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # optional: the serve extra
 
     class HeaderDeadlineProtocol(H11Protocol):
         header_timeout_s = seconds

@@ -9,6 +9,8 @@ import threading
 import time
 from collections import defaultdict
 
+import torch
+
 from ..runtime.stats import COUNTERS
 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -146,8 +148,6 @@ class Metrics:
                [f"oled_expert_cache_bytes {int(budget.bytes)}"])
         allocated = reserved = total = 0
         if engine.device.type == "cuda":
-            import torch
-
             allocated = torch.cuda.memory_allocated(engine.device)
             reserved = torch.cuda.memory_reserved(engine.device)
             total = torch.cuda.get_device_properties(engine.device).total_memory

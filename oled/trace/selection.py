@@ -7,6 +7,7 @@ unless --prompts N asks for a sample, which it states (sampled_requests)."""
 from __future__ import annotations
 
 from ..config import EngineConfig
+from ..runtime.cost_model import CostModel
 from .format import Trace
 
 MIN_SAMPLE = 3      # fewer requests than this show one request's routing, not the trace's workload
@@ -29,8 +30,6 @@ def add_replay_args(ap, policies: str, budgets: str = "0.6,0.4,0.25", costs: boo
 
 def replay_costs(path):
     """--costs: the cost model it names, or None without it."""
-    from ..runtime.cost_model import CostModel
-
     return None if path is None else CostModel.from_file(path)
 
 

@@ -17,8 +17,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .model import LLaDA2MoeModelLM, TinyConfig
+from .tokenizer_train import write_tokenizer_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -74,8 +76,6 @@ def save_checkpoint(model: LLaDA2MoeModelLM, out_dir: str | Path, *, tokenizer_p
                     ) -> dict:
     """Write config.json, safetensors (sharded when larger than max_shard_bytes; None = one file) and the
     tokenizer. Returns {"files": [...], "total_size": bytes, "total_parameters": n}."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
@@ -113,8 +113,6 @@ def save_checkpoint(model: LLaDA2MoeModelLM, out_dir: str | Path, *, tokenizer_p
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     files.append("config.json")
     if tokenizer_path is not None:
-        from .tokenizer_train import write_tokenizer_config
-
         if Path(tokenizer_path).resolve() != (out / "tokenizer.json").resolve():
             shutil.copyfile(tokenizer_path, out / "tokenizer.json")
         write_tokenizer_config(out)
@@ -127,8 +125,6 @@ def save_checkpoint(model: LLaDA2MoeModelLM, out_dir: str | Path, *, tokenizer_p
 
 def read_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or shards)."""
-    from safetensors.torch import load_file
-
     d = Path(model_dir)
     if (d / INDEX_NAME).is_file():
         index = json.loads((d / INDEX_NAME).read_text())

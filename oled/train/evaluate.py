@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import load_checkpoint
+from .corpus import load_corpus_ids
 from .diffusion import noise_blocks, pad_after_eos
 from .model import bd_attention_mask
 
@@ -91,9 +93,6 @@ def format_metrics(metrics: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .checkpoint import load_checkpoint
-    from .corpus import load_corpus_ids
-
     p = argparse.ArgumentParser(description="held-out masked-token metrics of a checkpoint")
     p.add_argument("--model", required=True)
     p.add_argument("--corpus", required=True)

@@ -17,6 +17,10 @@ import json
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+import oled
+
 
 def function_prompts(heldout_text: str, separator: str, n: int) -> list[str]:
     """Top-level function signatures with their docstrings from held-out files, in file order."""
@@ -67,9 +71,6 @@ def adds_body(completion: str) -> bool:
 def generation_report(model_dir: str | None, heldout_path: str, n: int = 40, gen_length: int = 64,
                       progress: bool = False) -> dict:
     """progress: a bar over the prompts on stderr (the whole report takes minutes on a CPU)."""
-    import oled
-    from tqdm import tqdm
-
     llm = oled.LLM(model_dir, policy="full")
     prompts = function_prompts(Path(heldout_path).read_text(), "<|endoftext|>", n)
     block = llm.engine.config.block_length

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 ROLE_TOKENS = ("<role>", "</role>", "<|role_end|>")
@@ -18,8 +20,6 @@ SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, *ROLE_TOKENS)
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 6144, out_path: str | Path | None = None,
                     min_frequency: int = 2):
     """Train byte-level BPE on an iterator of documents; returns the ``tokenizers.Tokenizer`` (saved if out_path)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -37,8 +37,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 6144, out_path: str 
 
 
 def load_tokenizer(path: str | Path):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(path))
 
 
