@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.triton_attention import attention
-from ..kernels.triton_norm import qk_norm_rope
+from ..kernels import triton_attention, triton_norm    # as modules: tests count calls through them
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, linear
 
@@ -60,7 +59,7 @@ class Attention(nn.Module):
         if self.fused:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            q = qk_norm_rope(q, k, v, cos, sin, *norms, eps, positions, k_cache, v_cache)       # [heads, T, D]
+            q = triton_norm.qk_norm_rope(q, k, v, cos, sin, *norms, eps, positions, k_cache, v_cache)  # [heads, T, D]
         else:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -72,7 +71,8 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, positions, v.transpose(0, 1))
             q = q.transpose(0, 1)
         if self.fused_attention:
-            out = attention(q, k_cache, v_cache, key_len, positions, visible.kv_end, visible.block_length)
+            out = triton_attention.attention(q, k_cache, v_cache, key_len, positions, visible.kv_end,
+                                             visible.block_length)
         else:
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(0), k_cache[:, :key_len].unsqueeze(0), v_cache[:, :key_len].unsqueeze(0),
