@@ -56,6 +56,8 @@ class Grid:
     command: str
     machine: str                                   # GPU, CPU and torch as the result lines name them
     ms: dict[tuple[str, float], float]             # (policy label, budget fraction) -> median ms per token
+    lines_commit: str = ""                         # the commit the result lines name where the machine's git
+                                                   # metadata was stale (the code is `commit`); "" when they agree
 
     @property
     def budgets(self) -> list[float]:
@@ -94,7 +96,8 @@ def load_grid(entry: dict, root: Path) -> Grid:
     ms = {(r["policy_label"], float(r["budget"])): r["metrics"]["tpot_ms"]["median"] for r in lines}
     if (REFERENCE, 1.0) not in ms:
         raise RecordError(f"{entry['results']}: no live `{REFERENCE}` run at 100 %")
-    return Grid(**{k: entry[k] for k in GRID_FIELDS}, machine=machine_of(lines[0]), ms=ms)
+    return Grid(**{k: entry[k] for k in GRID_FIELDS}, machine=machine_of(lines[0]), ms=ms,
+                lines_commit=entry.get("lines_commit", ""))
 
 
 def load_manifest(root: Path) -> tuple[dict, list[Grid]]:
