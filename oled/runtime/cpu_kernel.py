@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import shutil
 import subprocess

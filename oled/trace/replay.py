@@ -21,7 +21,6 @@ import torch
 
 from ..policies import make_policy
 from ..policies.base import Policy
-from ..policies.contract import ForwardInfo
 from ..runtime.budget import ExpertBudget, parse_budget
 from ..policies.costs import CostModel
 from ..runtime.expert_cache import ExpertCache
