@@ -10,7 +10,7 @@ import sys
 
 from .. import __version__
 
-COMMANDS = ("generate", "chat", "serve", "bench", "trace", "synth", "train-tiny", "calibrate")
+COMMANDS = ("generate", "chat", "serve", "bench", "compare", "trace", "synth", "train-tiny", "calibrate")
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130            # 128 + SIGINT, as a shell reports Ctrl-C
 EXIT_BROKEN_PIPE = 141            # 128 + SIGPIPE, as a shell reports `oled ... | head`

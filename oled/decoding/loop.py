@@ -63,12 +63,16 @@ def _sync(device: torch.device) -> None:
 
 
 def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=None, timer=None, cancelled=None,
-             commits=None) -> GenerationResult:
+             commits=None, observer=None) -> GenerationResult:
     """Decode one request on `runner` (a ModelRunner: the model, its KV cache and graphs, and the expert backend its
     MoE layers call, which this loop tells what each forward is). on_block(new_token_ids, finished) is called as each
     block commits (streaming); cancelled() -> True stops at the next iteration (client gone). timer: a SectionTimer
     the forwards report their sections to (they run eagerly then). commits: a commit source (a TraceSource, its
-    request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs."""
+    request begun) whose recorded commits, tokens and confidences replace the rule's; the model still runs.
+    observer: told of every forward, observer.forwarded(info, tokens, kv_end, rows, logits) as it is queued (logits
+    on the device, None for a cache forward; it must not wait on the device there: a mapped forward with a CPU share
+    waits for the host), and of every iteration's commits, observer.committed(block, step, window_start, commit,
+    tokens, confidence) once its prediction is on the host (oled/bench/teacher_forced.py records and compares them)."""
     config: ModelConfig = runner.config
     device, predict = runner.device, runner.predict
     manager: ExpertBackend = runner.experts
@@ -103,6 +107,8 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
             commits.begin_forward(info)
         manager.begin_forward(info)
         out = runner.forward(ids, start, kv, kv_end, rows, block_length=B, timer=timer)
+        if observer is not None:
+            observer.forwarded(info, tokens, kv_end, rows, out)
         manager.launched()                        # host work queued behind the forward (all-resident path)
         if kind == "iteration":
             result.nfe += 1
@@ -152,6 +158,8 @@ def generate(runner, prompt_ids: list[int], params: DecodeParams, *, on_block=No
                     commit = rule.select(conf_h, schedule[step])
                 else:
                     commit, x0_h, conf_h = commits.iteration(block.index, step, ws, bs, masked)
+                if observer is not None:
+                    observer.committed(block.index, step, ws, commit, x0_h, conf_h)
                 canvas[ws:be][commit] = x0_h[commit]
                 result.committed += int(commit.sum())
                 inside = slice(bs - ws, None)                 # the event describes the block's own positions
