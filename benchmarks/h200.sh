@@ -44,6 +44,10 @@
 #          `oled bench`, in run order: whether a cell's time depends on the cells run before it in the process
 #   flag   how long a kernel takes to see a mark the host stores in pinned memory, and what a CUDA graph of 19
 #          layers pays when each waits for the CPU kernel's rows (benchmarks/host_flag_probe.py; FLAG_ARGS adds flags)
+#   numerics  `oled compare` on the bundled model in bf16: teacher-forced logits (largest and mean difference, argmax
+#          agreement) and free-run tokens against full (every expert resident) of oled with the CPU share at 40 %, and
+#          of FP8 experts (all resident) where the engine has the expert_dtype setting; NUMERICS_MINI=1 adds the same
+#          on random llada2-mini weights (NUMERICS_MINI_LAYERS layers, default 4). One JSON each under $OUT
 #   busy   the README's main job on two of the host's cores (taskset) with both busy, against idle
 #          (benchmarks/busy_cores.py, --device cpu: the 2-core machine of issue 16)
 # The routing proxy itself is trained and traced by benchmarks/routing_proxy.sh (its own call).
@@ -201,6 +205,25 @@ import json, sys
 for i, l in enumerate(open(sys.argv[1])):
     r = json.loads(l)
     print(i, r['policy_label'], r['budget'], 'TPOT ms %.3f' % r['metrics']['tpot_ms']['median'])" $R/order/results.jsonl
+fi
+if has numerics; then
+  numerics() {      # NAME MODEL-FLAGS CANDIDATE-FLAGS: one `oled compare` against full, its JSON to $OUT
+    timeout ${NUMERICS_S:-240} python3 -m oled.cli compare $2 --dtype bfloat16 --workload ${NUMERICS_WORKLOAD:-chat} \
+      --prompts ${NUMERICS_PROMPTS:-8} --gen-length ${NUMERICS_GEN:-128} $3 --json $R/numerics-$1.json \
+      > $R/numerics-$1.log 2>&1
+    echo "numerics $1 rc=$?"; cat $R/numerics-$1.log; cp $R/numerics-$1.json $OUT/ 2>/dev/null
+  }
+  CPU_SHARE="--candidate policy=oled --candidate cpu_share=true --candidate expert_budget=0.4"
+  FP8="--candidate policy=full --candidate expert_dtype=fp8"
+  has_fp8=$(python3 -c "from oled.config import SETTING_NAMES; print(int('expert_dtype' in SETTING_NAMES))")
+  numerics cpu-share "" "$CPU_SHARE"
+  if [ "$has_fp8" = 1 ]; then numerics fp8 "" "$FP8"; else echo "numerics fp8: no expert_dtype setting (skipped)"; fi
+  if [ "${NUMERICS_MINI:-0}" = 1 ]; then
+    MINI="--random-weights llada2-mini --layers ${NUMERICS_MINI_LAYERS:-4}"
+    NUMERICS_PROMPTS=${NUMERICS_PROMPTS:-2} NUMERICS_GEN=${NUMERICS_GEN:-64} numerics mini-cpu-share "$MINI" "$CPU_SHARE"
+    [ "$has_fp8" = 1 ] && NUMERICS_PROMPTS=${NUMERICS_PROMPTS:-2} NUMERICS_GEN=${NUMERICS_GEN:-64} \
+      numerics mini-fp8 "$MINI" "$FP8"
+  fi
 fi
 if has busy; then
   timeout ${BUSY_S:-240} taskset -c ${BUSY_CPUS:-0,1} python3 benchmarks/busy_cores.py --repeats ${BUSY_REPEATS:-3} \

@@ -174,10 +174,13 @@ def compare_recordings(ref: Recording, cand: Recording) -> list[LogitDiff]:
     return diffs
 
 
-def token_agreement(ref: list[int], cand: list[int]) -> float:
-    """Positions holding the same token, over the longer of the two outputs."""
-    longest = max(len(ref), len(cand))
-    return sum(a == b for a, b in zip(ref, cand)) / longest if longest else 1.0
+def token_matches(ref: list[int], cand: list[int]) -> tuple[int, int]:
+    """(positions holding the same token, the longer output's length): a free run's token agreement."""
+    return sum(a == b for a, b in zip(ref, cand)), max(len(ref), len(cand))
+
+
+def fraction(part: float, whole: float) -> float:
+    return part / whole if whole else 1.0
 
 
 def summarize(diffs: list[LogitDiff]) -> dict:
@@ -187,7 +190,7 @@ def summarize(diffs: list[LogitDiff]) -> dict:
     return {"forwards": len(diffs), "positions": positions,
             "max_abs": max((d.max_abs for d in diffs), default=0.0),
             "mean_abs": sum(d.sum_abs for d in diffs) / elements if elements else 0.0,
-            "argmax_agreement": sum(d.argmax_equal for d in diffs) / positions if positions else 1.0}
+            "argmax_agreement": fraction(sum(d.argmax_equal for d in diffs), positions)}
 
 
 @dataclass
@@ -200,7 +203,7 @@ class PromptResult:
 
     def summary(self) -> dict:
         return {"id": self.id, "prompt_tokens": self.prompt_tokens, **summarize(self.diffs),
-                "free_token_agreement": token_agreement(self.reference_tokens, self.candidate_tokens),
+                "free_token_agreement": fraction(*token_matches(self.reference_tokens, self.candidate_tokens)),
                 "free_tokens_equal": self.reference_tokens == self.candidate_tokens}
 
 
@@ -216,22 +219,18 @@ class Comparison:
 
     def total(self) -> dict:
         diffs = [d for p in self.prompts for d in p.diffs]
-        ref = [p.reference_tokens for p in self.prompts]
-        cand = [p.candidate_tokens for p in self.prompts]
-        pairs = sum(max(len(a), len(b)) for a, b in zip(ref, cand))
-        same = sum(token_agreement(a, b) * max(len(a), len(b)) for a, b in zip(ref, cand))
+        matches = [token_matches(p.reference_tokens, p.candidate_tokens) for p in self.prompts]
         return {"id": "all", "prompt_tokens": sum(p.prompt_tokens for p in self.prompts), **summarize(diffs),
-                "free_token_agreement": same / pairs if pairs else 1.0,
-                "free_tokens_equal": ref == cand}
+                "free_token_agreement": fraction(sum(m[0] for m in matches), sum(m[1] for m in matches)),
+                "free_tokens_equal": all(p.reference_tokens == p.candidate_tokens for p in self.prompts)}
 
     def to_dict(self) -> dict:
         return {"reference": {"engine": self.reference.to_dict(), "describe": self.reference_engine},
                 "candidate": {"engine": self.candidate.to_dict(), "describe": self.candidate_engine},
                 "decode": asdict(self.params), "total": self.total(),
                 "prompts": [{**p.summary(), "forwards": [
-                    {"forward": d.forward, "block": d.block, "step": d.step, "positions": d.positions,
-                     "max_abs": d.max_abs, "mean_abs": d.sum_abs / d.elements, "argmax_agreement": d.argmax_equal / d.positions}
-                    for d in p.diffs]} for p in self.prompts],
+                    {"forward": d.forward, "block": d.block, "step": d.step, **summarize([d])} for d in p.diffs]}
+                    for p in self.prompts],
                 "environment": self.environment}
 
 

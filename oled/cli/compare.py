@@ -23,6 +23,7 @@ SHARED = ("model", "random_weights", "layers", "seed", "device", "dtype")
 MODEL_SETTINGS = ("model", "random_weights", "layers", "seed")      # not per configuration: the same weights
 REFERENCE = {"policy": "full", "expert_budget": "1.0"}               # every expert resident, computed on the device
 TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+NUMBER_WORDS = {"int": "a whole number", "float": "a number"}
 DEFAULT_PROMPTS = 4
 DEFAULT_GEN_LENGTH = 64
 DEFAULT_MAX_FORWARDS = 4096
@@ -89,7 +90,7 @@ def parse_setting(item: str, flag: str) -> tuple[str, object]:
     try:
         value = TYPES[kind](text)
     except ValueError:
-        raise ValueError(f"{flag} {item!r}: {name} takes a {kind}") from None
+        raise ValueError(f"{flag} {item!r}: {name} takes {NUMBER_WORDS[kind]}") from None
     meta = f.metadata
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ValueError(f"{flag} {item!r}: {name} is one of {', '.join(meta['choices'])}")
