@@ -51,6 +51,15 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+def check_dtype(dtype: str | None) -> None:
+    """A dtype the engine runs (None: its device's default), else one line."""
+    if dtype in UNSUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported: the expert store and the CPU expert kernel take "
+                         f"bfloat16 or float32")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+
+
 def default_model_dir() -> Path:
     return Path(str(resources.files("oled").joinpath("assets/tiny-model")))
 
@@ -73,11 +82,7 @@ class Engine:
         parse_spec(cfg.expert_budget)       # its format; against the model's experts once they are known
         options = self._policy_options(cfg, spec)
         make_policy(spec.name, **options)    # its options' values (a popularity file read)
-        if cfg.dtype in UNSUPPORTED_DTYPES:
-            raise ValueError(f"dtype {cfg.dtype!r} is not supported: the expert store and the CPU expert kernel "
-                             f"take bfloat16 or float32")
-        if cfg.dtype is not None and cfg.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
+        check_dtype(cfg.dtype)
         self.device = pick_device(cfg.device)
         self.kernels = self._pick_kernels(cfg)       # EngineConfig.fused_*: name -> on
         self.threads = plan_threads(c.torch_threads, c.cpu_threads)

@@ -15,6 +15,7 @@ from oled.config import EngineConfig
 from oled.decoding.model_runner import ModelRunner
 from oled.decoding.params import DecodeParams
 from oled.engine import Engine
+from tests.test_hardening import no_loading  # noqa: F401  (fixture)
 
 TINY = dict(random_weights="tiny", device="cpu", dtype="float32")
 PROMPTS = [Prompt("p0", prompt="The quick brown fox"), Prompt("p1", prompt="def add(a, b):")]
@@ -121,8 +122,11 @@ def test_teacher_forcing_replays_the_canvases_and_catches_a_divergence():
     ("capture_slots=many", "capture_slots takes a whole number"),
     ("random_weights=tiny", "the model is shared"),
     ("policy=mru", "unknown policy"),
+    ("expert_budget=abc", "expert budget 'abc'"),
+    ("dtype=float16", "dtype 'float16' is not supported"),
+    ("device=tpu", "unknown device"),
 ])
-def test_bad_candidate_is_one_line_and_exit_2(capsys, item, words):
+def test_bad_candidate_is_one_line_and_exit_2_before_any_model(capsys, no_loading, item, words):
     assert main(["compare", "--random-weights", "tiny", "--device", "cpu", "--candidate", item]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err

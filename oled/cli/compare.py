@@ -14,6 +14,7 @@ import sys
 from ..bench import workloads
 from ..bench.teacher_forced import compare
 from ..config import SECTIONS, SETTING_NAMES, EngineConfig
+from ..engine import check_dtype, pick_device
 from ..policies.spec import PolicySpec
 from ..runtime.budget import parse_spec
 from .common import FIELDS, TYPES, add_decode_args, add_settings, decode_params, positive_int
@@ -100,13 +101,16 @@ def parse_setting(item: str, flag: str) -> tuple[str, object]:
 
 
 def configuration(args, items: list[str], flag: str, defaults: dict) -> EngineConfig:
-    """The shared model flags, then `defaults`, then the KEY=VALUE items; the policy and budget checked here."""
+    """The shared model flags, then `defaults`, then the KEY=VALUE items; what can be checked before a model is
+    built is checked here."""
     settings = {name: getattr(args, name) for name in SHARED}
     settings.update(defaults)
     settings.update(parse_setting(item, flag) for item in items)
     cfg = EngineConfig(**settings)
-    PolicySpec.parse(cfg.policy, live=True)
-    parse_spec(cfg.expert_budget)
+    PolicySpec.parse(cfg.policy, live=True)         # the engine checks these too, but only once it is built: the
+    parse_spec(cfg.expert_budget)                   # candidate's after the reference has run
+    check_dtype(cfg.dtype)
+    pick_device(cfg.device)
     return cfg
 
 
