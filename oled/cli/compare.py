@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 from ..bench import workloads
 from ..bench.teacher_forced import compare
@@ -139,6 +140,8 @@ def run(args) -> int:
     params.validate()
     reference = configuration(args, args.reference, "--reference", REFERENCE)
     candidate = configuration(args, args.candidate, "--candidate", {})
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {args.json}: its folder does not exist")
     if args.prompt or not args.workload.startswith("synthetic:"):
         prompts_of(args)                 # a bad workload refused before any model is built (synthetic: token ids)
     result = compare(reference, candidate, lambda tokenizer: prompts_of(args, tokenizer), params,
