@@ -102,7 +102,12 @@ def test_teacher_forcing_replays_the_canvases_and_catches_a_divergence():
     params = DecodeParams(**PARAMS)
     ids = PROMPTS[0].ids(engine.tokenizer)
     ref = record(engine, ids, params)
-    assert len(ref.iterations) > 1 and all(f.logits is not None for f in ref.forwards if f.kind == "iteration")
+    plain = engine.generate_ids(ids, params)            # observed or not, the same decoding
+    assert ref.token_ids == plain.token_ids and len(ref.forwards) == plain.nfe + plain.cache_forwards
+    assert len(ref.iterations) == plain.nfe > 1
+    assert all((f.logits is not None) == (f.kind == "iteration") for f in ref.forwards)
+    assert all(len(f.logits) == (f.tokens[f.rows] == engine.config.mask_token_id).sum() for f in ref.forwards
+               if f.logits is not None)
     forced = record(engine, ids, params, teacher=Teacher(ref))
     assert [f.tokens.tolist() for f in forced.forwards] == [f.tokens.tolist() for f in ref.forwards]
     assert all(d.max_abs == 0.0 and d.argmax_equal == d.positions for d in compare_recordings(ref, forced))

@@ -23,6 +23,7 @@ from ..decoding.params import DecodeParams
 from ..decoding.procedure import procedure_for
 from ..engine import Engine
 from ..env import environment
+from ..models.config import ModelConfig
 
 LOGIT_BYTES = 4                  # the LM head's logits are fp32 (kept as they come)
 
@@ -268,43 +269,64 @@ def record(engine: Engine, prompt_ids: list[int], params: DecodeParams, teacher:
     return recorder.finish(result.token_ids)
 
 
-def release(engine: Engine) -> None:
-    """Free the engine's expert manager and its GPU memory before the next engine is built."""
-    old = engine.runner.detach()
-    if old is not None:
-        old.close()
-    device = engine.device
-    del engine, old
+def close(engine: Engine) -> None:
+    """Detach and close the engine's expert manager (a CPU job in flight finishes) before it is dropped."""
+    manager = engine.runner.detach()
+    if manager is not None:
+        manager.close()
+
+
+def free_device_memory() -> None:
+    """After an engine is dropped: its tensors collected, CUDA's cache emptied, before the next one is built."""
     gc.collect()
-    if device.type == "cuda":
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def reference_pass(cfg: EngineConfig, prompts, params: DecodeParams, max_forwards: int, max_logit_bytes: float,
+                   say) -> tuple[list, list[Recording], ModelConfig, str]:
+    """The reference's runs, recorded: (prompts, recordings, the model's config, the engine in words)."""
+    engine = Engine(cfg)
+    try:
+        prompts = prompts(engine.tokenizer)
+        ids = [p.ids(engine.tokenizer) for p in prompts]
+        check_costs(engine.config, ids, params, max_forwards, max_logit_bytes)
+        say(f"reference: {engine.describe()}")
+        return prompts, [record(engine, x, params) for x in ids], engine.config, engine.describe()
+    finally:
+        close(engine)
+
+
+def candidate_pass(cfg: EngineConfig, prompts: list, recordings: list[Recording], model_config: ModelConfig,
+                   params: DecodeParams,
+                   say) -> tuple[list[PromptResult], str, dict]:
+    """The candidate's teacher-forced runs against the recordings, then its free runs: (per prompt, the engine in
+    words, where it ran)."""
+    engine = Engine(cfg)
+    try:
+        if (engine.config.vocab_size, engine.config.mask_token_id) != (model_config.vocab_size,
+                                                                       model_config.mask_token_id):
+            raise ValueError("the candidate's model is not the reference's (another vocabulary or mask token)")
+        say(f"candidate: {engine.describe()}")
+        results = [PromptResult(p.id, len(rec.prompt_ids),
+                                compare_recordings(rec, record(engine, rec.prompt_ids, params, Teacher(rec))),
+                                rec.token_ids, []) for p, rec in zip(prompts, recordings)]
+        for result, rec in zip(results, recordings):
+            result.candidate_tokens = generate(engine.runner, rec.prompt_ids, params).token_ids
+        return results, engine.describe(), environment(engine.device)
+    finally:
+        close(engine)
 
 
 def compare(reference: EngineConfig, candidate: EngineConfig, prompts, params: DecodeParams, *,
             max_forwards: int, max_logit_bytes: float, say=lambda line: None) -> Comparison:
-    """Run the prompts on the reference, then teacher-forced and free on the candidate. prompts(tokenizer) -> the
-    workload's Prompts (.id, .ids(tokenizer)); both configurations must load the same model."""
+    """Run the prompts on the reference, then teacher-forced and free on the candidate, one engine in memory at a
+    time. prompts(tokenizer) -> the workload's Prompts (.id, .ids(tokenizer)); both configurations must load the
+    same model."""
     params.validate()
-    engine = Engine(reference)
-    prompts = prompts(engine.tokenizer)
-    ids = [p.ids(engine.tokenizer) for p in prompts]
-    check_costs(engine.config, ids, params, max_forwards, max_logit_bytes)
-    config, reference_engine = engine.config, engine.describe()
-    say(f"reference: {reference_engine}")
-    recordings = [record(engine, x, params) for x in ids]
-    release(engine)
-    engine = Engine(candidate)
-    if engine.config.vocab_size != config.vocab_size or engine.config.mask_token_id != config.mask_token_id:
-        raise ValueError("the candidate's model is not the reference's (another vocabulary or mask token)")
-    say(f"candidate: {engine.describe()}")
-    results = []
-    for prompt, rec in zip(prompts, recordings):
-        forced = record(engine, rec.prompt_ids, params, teacher=Teacher(rec))
-        results.append(PromptResult(prompt.id, len(rec.prompt_ids), compare_recordings(rec, forced), rec.token_ids,
-                                    []))
-    for result, x in zip(results, ids):
-        result.candidate_tokens = generate(engine.runner, x, params).token_ids
-    out = Comparison(reference, candidate, reference_engine, engine.describe(), params, results,
-                     environment(engine.device))
-    release(engine)
-    return out
+    prompts, recordings, model_config, reference_engine = reference_pass(reference, prompts, params, max_forwards,
+                                                                         max_logit_bytes, say)
+    free_device_memory()
+    results, candidate_engine, env = candidate_pass(candidate, prompts, recordings, model_config, params, say)
+    free_device_memory()
+    return Comparison(reference, candidate, reference_engine, candidate_engine, params, results, env)
