@@ -298,8 +298,7 @@ def reference_pass(cfg: EngineConfig, prompts, params: DecodeParams, max_forward
 
 
 def candidate_pass(cfg: EngineConfig, prompts: list, recordings: list[Recording], model_config: ModelConfig,
-                   params: DecodeParams,
-                   say) -> tuple[list[PromptResult], str, dict]:
+                   params: DecodeParams, say) -> tuple[list[PromptResult], str, dict]:
     """The candidate's teacher-forced runs against the recordings, then its free runs: (per prompt, the engine in
     words, where it ran)."""
     engine = Engine(cfg)
