@@ -38,6 +38,10 @@
 #          alternating (AB_ROUNDS rounds), on the default grid's request and on the routing proxy's trace (AB_ROUTING=0:
 #          the default request only): a host-side change's effect on the forward and its gap, measured in one process
 #          pair each
+#   house-ab  the default grid (GRID_POLICIES, GRID_BUDGETS) and the routing grid on the proxy's first request
+#          (HOUSE_ROUTING_POLICIES, HOUSE_ROUTING_BUDGETS) at AB_REF (a commit, checked out in a worktree) and at the
+#          working tree, in one call, each pair compared cell by cell (benchmarks/compare_grids.py): a restructuring
+#          that must change no byte moved and no time beyond the run-to-run spread
 #   policy-step  each policy's host step per MoE layer replayed from the routing trace on this host's CPU, alone and
 #          beside the CPU kernel's polling workers (benchmarks/policy_step_cost.py)
 #   order  the bundled model at 100 % with ORDER_POLICIES (default full,oled,full,lru,oled-retain,full) in one
@@ -183,6 +187,27 @@ if has gaps-ab; then
       done
     done
   done
+fi
+if has house-ab; then
+  git worktree add -f /tmp/house-ref ${AB_REF:-HEAD} > /dev/null 2>&1 || echo "house-ab: no worktree of ${AB_REF:-HEAD}"
+  for side in ref tree; do
+    dir=$PWD; [ $side = ref ] && dir=/tmp/house-ref
+    start=$(date +%s)
+    ( cd $dir && PYTHONPATH=$dir timeout ${HOUSE_GRID_S:-200} python3 -m oled.cli bench $GRID \
+        --policies ${GRID_POLICIES:-$ALL_POLICIES} --out $R/house-grid-$side ) > $R/house-grid-$side.log 2>&1
+    echo "house-ab grid $side rc=$? in $(( $(date +%s) - start )) s"; tail -2 $R/house-grid-$side.log
+    start=$(date +%s)
+    ( cd $dir && PYTHONPATH=$dir timeout ${HOUSE_ROUTING_S:-120} python3 -m oled.cli bench \
+        --routing $PWD/${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} --random-weights llada2-mini \
+        --policies ${HOUSE_ROUTING_POLICIES:-full,lru,lfu,oled,oled-retain} --budgets ${HOUSE_ROUTING_BUDGETS:-1.0,0.4} \
+        --prompts ${HOUSE_ROUTING_PROMPTS:-1} \
+        --repeats 1 --warmup 1 --no-profile --no-progress $GRAPHS --out $R/house-routing-$side ) \
+      > $R/house-routing-$side.log 2>&1
+    echo "house-ab routing $side rc=$? in $(( $(date +%s) - start )) s"; tail -2 $R/house-routing-$side.log
+    keep house-grid-$side house-routing-$side
+  done
+  compare_to $R/house-grid-ref house-grid-tree
+  compare_to $R/house-routing-ref house-routing-tree
 fi
 if has policy-step; then
   for workers in "" --polling-workers; do

@@ -232,6 +232,45 @@ def belady(demand: Demand, slots: int, pool: str = "even") -> Schedule:
     return sched
 
 
+def lookahead_misses(demand: Demand, slots: int) -> int:
+    """The misses of a retention that knows each layer's next timed run exactly and nothing further (budget split
+    evenly): after every run of a layer its slots keep, from what was resident and what the run needed, first the
+    experts its next timed run needs, then the most recently used (ties: lower id); what the run needs beyond them
+    is bypassed. A reference, not a bound: what a policy whose predictions reach one iteration ahead makes with the
+    least-recently-used order behind them (a cleverer order could make fewer)."""
+    if slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    layer_runs: dict[int, list[LayerRun]] = {}
+    for run in demand.runs:
+        layer_runs.setdefault(run.layer, []).append(run)
+    misses = 0
+    for runs in layer_runs.values():
+        width = 1 + max((int(run.experts.max()) for run in runs if len(run.experts)), default=0)
+        needed_next = [np.zeros(width, dtype=bool) for _ in runs]     # per run: its layer's next timed run's experts
+        upcoming = np.zeros(width, dtype=bool)
+        for r in range(len(runs) - 1, -1, -1):
+            needed_next[r] = upcoming
+            if runs[r].timed:
+                upcoming = np.zeros(width, dtype=bool)
+                upcoming[runs[r].experts] = True
+        resident = np.zeros(width, dtype=bool)
+        last = np.full(width, -1, dtype=np.int64)
+        for r, run in enumerate(runs):
+            if run.timed:
+                misses += int((~resident[run.experts]).sum())
+            last[run.experts] = r
+            resident[run.experts] = True
+            held = np.nonzero(resident)[0]
+            if len(held) > slots:
+                # np.lexsort: the last key is the most significant; reversed: needed next, then latest use, then lower id
+                order = np.lexsort((-held, last[held], needed_next[r][held]))[::-1]
+                ranked = held[order]
+                keep = ranked[:slots]
+                resident[:] = False
+                resident[keep] = True
+    return misses
+
+
 # ------------------------------------------------------------------------------------------------ time
 def layer_time(compute: float, link_misses: int, cpu_tokens: np.ndarray, rows: int, costs: CostTable) -> float:
     """T(L, C) of the module docstring: `link_misses` over the link, experts with `cpu_tokens` on the CPU."""
@@ -351,6 +390,8 @@ DEFINITIONS = {
     "prefetch": "aggressive integrated prefetching and caching over one link (Cao, Felten, Karlin, Li 1995): "
                 "achievable, an upper bound on the optimum; misses column: experts it fetches",
     "floor": "max(compute, link time of belady's misses): a lower bound on every link-only schedule",
+    "lookahead": "a reference, not a bound: the misses of a retention that knows each layer's next iteration's "
+                 "routing exactly and nothing further (least recently used behind it), budget split evenly",
 }
 
 
@@ -368,6 +409,8 @@ def bound_rows(demand: Demand, slots_per_layer: int, costs: CostTable | None) ->
         sched = belady(demand, slots, pool)
         misses = sched.misses(demand)
         rows.append(row("belady", pool, misses, None))
+        if pool == "even":
+            rows.append(row("lookahead", pool, lookahead_misses(demand, slots), None))
         if costs is None:
             continue
         rows.append(row("demand-link", pool, misses, demand_seconds(demand, sched, costs, cpu=False)))

@@ -47,6 +47,7 @@ def test_json_lines_carry_every_field(live):
     # full runs at 100 % only; every other policy at every budget; belady's bounds beside them (no CPU policy ran, so
     # no cost model was measured: misses only, not timed)
     bounds = [(f"bound:belady-{pool}", b) for pool in ("even", "shared") for b in ("0.5", "1.0")]
+    bounds += [("bound:lookahead-even", b) for b in ("0.5", "1.0")]
     assert sorted((r["policy"], r["budget"]) for r in lines) == sorted(bounds + [
         ("full", "1.0"), ("lfu", "0.5"), ("lfu", "1.0"), ("lru", "0.5"), ("lru", "1.0")])
     bound = [r for r in lines if r["policy"].startswith("bound:")]
@@ -192,7 +193,8 @@ def test_replay_grid(tmp_path):
     replayed = {k for k, r in by.items() if r["mode"] == "replay"}
     assert replayed == {("full", "1.0"), ("lru", "0.5"), ("lru", "0.25"), ("lfu", "0.5"), ("lfu", "0.25"),
                         ("fiddler", "0.5"), ("fiddler", "0.25"), ("belady", "0.5"), ("belady", "0.25")}
-    assert set(by) - replayed == {(f"bound:belady-{pool}", b) for pool in ("even", "shared") for b in ("0.5", "0.25")}
+    assert set(by) - replayed == {(f"bound:belady-{pool}", b) for pool in ("even", "shared") for b in ("0.5", "0.25")
+                                  } | {("bound:lookahead-even", b) for b in ("0.5", "0.25")}
     assert all(r["metrics"]["tpot_ms"]["median"] is None for r in rows)    # no cost model in the trace: no times
     misses = {k: r["metrics"]["misses_per_iteration"]["median"] for k, r in by.items()}
     for b in ("0.5", "0.25"):       # the bound: no policy misses fewer experts on this routing
@@ -223,7 +225,7 @@ def test_unmet_requirements_are_skipped_with_a_reason(tmp_path):
                popularity=str(tmp_path / "missing.json"), profile=False)
     rows = run_bench(cfg)
     assert [(r["policy"], r["budget"]) for r in rows] == [("lru", "0.5"), ("bound:belady-even", "0.5"),
-                                                          ("bound:belady-shared", "0.5")]
+                                                          ("bound:lookahead-even", "0.5"), ("bound:belady-shared", "0.5")]
     skipped = [json.loads(x) for x in open(f"{cfg.out}/skipped.jsonl")]
     reasons = {(s["policy"], s["budget"]): s["reason"] for s in skipped}
     assert "too small" in reasons[("*", "0.01")]

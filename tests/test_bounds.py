@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from oled.bounds import (CostTable, Demand, LayerRun, _initial_pools, _keys, belady, best_split, bound_rows,
+                         lookahead_misses,
                          demand_seconds, floor_seconds, layer_time, misses_seconds, prefetch_seconds)
 from oled.policies import POLICIES
 from oled.trace import Trace, replay
@@ -68,6 +69,34 @@ def test_belady_is_the_fewest_misses_of_every_schedule(seed, pool):
     for slots in (1, 2):
         want = brute_demand(demand, slots, pool, lambda run, missed: len(missed))
         assert belady(demand, slots, pool).misses(demand) == want
+
+
+def lookahead_by_hand(demand: Demand, slots: int) -> int:
+    """The one-iteration lookahead's rule written out with sets, run by run."""
+    resident = {layer: set() for layer in demand.layers}
+    last: dict = {}
+    misses = 0
+    for r, run in enumerate(demand.runs):
+        needed = set(run.experts.tolist())
+        if run.timed:
+            misses += len(needed - resident[run.layer])
+        for e in needed:
+            last[run.layer, e] = r
+        nxt = next((later for later in demand.runs[r + 1:] if later.layer == run.layer and later.timed), None)
+        coming = set() if nxt is None else set(nxt.experts.tolist())
+        held = resident[run.layer] | needed
+        ranked = sorted(held, key=lambda e: (e not in coming, -last[run.layer, e], e))
+        resident[run.layer] = set(ranked[:slots])
+    return misses
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_lookahead_keeps_the_next_iterations_experts_first(seed):
+    demand = random_demand(seed, experts=6, runs=14)
+    for slots in (1, 2, 3):
+        got = lookahead_misses(demand, slots)
+        assert got == lookahead_by_hand(demand, slots)
+        assert got >= belady(demand, slots).misses(demand)      # a reference that never beats the fewest
 
 
 def test_the_shared_pool_never_misses_more_than_the_even_split():
