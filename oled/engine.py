@@ -261,6 +261,7 @@ class Engine:
                 f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
                 f"policy {self.policy.name}; {self.budget.describe(self.cache_place)}; non-expert weights "
                 f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
+                f"{' fp8' if self.store.fp8 else ''}"
                 f"{' pinned' if self.store.pinned else ''}; Triton kernels: "
                 + (", ".join(n.removeprefix("fused_") for n, on in self.kernels.items() if on) or "none")
                 + (f"; miss service: {self.manager.costs.describe()}" if self.manager.costs is not None else ""))
