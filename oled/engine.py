@@ -90,7 +90,7 @@ class Engine:
         if cfg.random_weights:
             raw = preset_config(cfg.random_weights, cfg.layers)
             config = config_from_dict(raw)
-            check_host_memory(config, self.dtype, self.device, f"preset {cfg.random_weights}", cfg.expert_dtype)
+            check_host_memory(config, self.dtype, self.device, f"preset {cfg.random_weights}", cfg.expert_dtype, pin)
             loaded = build_empty(config, self.dtype, self.device, pin, cfg.expert_dtype)
             gen_device = self.device if self.device.type == "cuda" else "cpu"
             stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
@@ -108,7 +108,7 @@ class Engine:
             config = load_config(model_dir)
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.tokenizer.check_against(config, source=str(model_dir / "tokenizer.json"))
-            check_host_memory(config, self.dtype, self.device, str(model_dir), cfg.expert_dtype)
+            check_host_memory(config, self.dtype, self.device, str(model_dir), cfg.expert_dtype, pin)
             loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress,
                                      expert_dtype=cfg.expert_dtype)
             self.model_name = model_dir.name

@@ -12,6 +12,7 @@ import torch
 
 from . import fp8
 from .loader import EXPERT_NAME, official_tensors
+from .runtime.store import pinned_bytes
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -48,17 +49,22 @@ def weight_bytes(config, dtype: torch.dtype, expert_dtype: str = "bf16") -> tupl
     return experts, other
 
 
-def check_host_memory(config, dtype: torch.dtype, device: torch.device, what: str, expert_dtype: str = "bf16") -> None:
+def check_host_memory(config, dtype: torch.dtype, device: torch.device, what: str, expert_dtype: str = "bf16",
+                      pin: bool = False) -> None:
     """Refuse, in one line, a model whose host-side weights do not fit in the available memory. The routed experts
-    always live on the host (in expert_dtype); the other weights too when the device is the CPU (on CUDA they are
-    made on the device, or streamed there from the memory-mapped checkpoint)."""
+    always live on the host (in expert_dtype; pinned, in the store's power-of-two groups of layers); the other
+    weights too when the device is the CPU (on CUDA they are made on the device, or streamed there from the
+    memory-mapped checkpoint)."""
     experts, other = weight_bytes(config, dtype, expert_dtype)
-    need = experts + (other if device.type == "cpu" else 0)
+    layers = len(config.moe_layers)
+    held = pinned_bytes(experts // layers, layers) if pin and layers else experts
+    need = held + (other if device.type == "cpu" else 0)
     free = available_bytes()
     if free is None or need <= free:
         return
     dtype_name = str(dtype).replace("torch.", "")
-    parts = f"routed experts {experts / 2**30:.1f} GiB{' in fp8' if expert_dtype == 'fp8' else ''}" + (
+    parts = (f"routed experts {experts / 2**30:.1f} GiB{' in fp8' if expert_dtype == 'fp8' else ''}"
+             f"{f', {held / 2**30:.1f} GiB pinned' if held != experts else ''}") + (
         f" + other weights {other / 2**30:.1f} GiB" if device.type == "cpu" else "")
     smaller = ["fewer --layers"]
     if dtype.itemsize > torch.bfloat16.itemsize:

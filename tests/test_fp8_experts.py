@@ -19,7 +19,7 @@ from oled.models.config import config_from_dict
 from oled.runtime.budget import parse_budget
 from oled.runtime.cpu_kernel import CpuExpertKernel, _torch_run
 from oled.runtime.grouped import grouped_swiglu
-from oled.runtime.store import PARTS, ExpertStore
+from oled.runtime.store import PARTS, ExpertStore, pinned_bytes, pinned_layer_groups
 from oled.synth import preset_config
 from oled.trace import Trace, record_trace, replay
 from tests.costs import balanced_costs
@@ -323,6 +323,29 @@ def test_a_bad_expert_dtype_is_one_line_and_exit_2(capsys):
         Engine(EngineConfig(random_weights="tiny", device="cpu", expert_dtype="int4"))
 
 
+@pytest.mark.parametrize("layer_bytes,layers", [(256 * fp8.blob_bytes(4096, 1024), 31),     # flash, FP8
+                                                (256 * 3 * 2048 * 512 * 2, 19),               # mini, bf16
+                                                (16 * fp8.blob_bytes(H, I), 2), (3, 7), (5, 1), (2**20, 8)])
+def test_pinned_layers_are_grouped_so_the_allocators_powers_of_two_waste_less_than_a_layer_each(layer_bytes, layers):
+    """torch's pinned allocator rounds an allocation up to a power of two: the store pins its layers in groups,
+    each of which, rounded so, leaves less than a layer unused (a layer an allocation would leave up to a layer's
+    bytes less one)."""
+    groups = pinned_layer_groups(layer_bytes, layers)
+    assert sum(groups) == layers and min(groups) >= 1
+    for count in groups:
+        rounded = 1 << (count * layer_bytes - 1).bit_length()
+        assert count * layer_bytes <= rounded < count * layer_bytes + layer_bytes
+    assert pinned_bytes(layer_bytes, layers) == sum(1 << (c * layer_bytes - 1).bit_length() for c in groups)
+
+
+def test_a_store_that_cannot_pin_falls_back_to_pageable_memory():
+    if torch.cuda.is_available():
+        pytest.skip("this machine can pin")
+    store = ExpertStore(config_from_dict(preset_config("tiny")), torch.float32, pin=True, expert_dtype="fp8")
+    assert not store.pinned and store.pinned_failed
+    assert [tuple(b.shape) for b in store.blobs] == [(16, fp8.blob_bytes(H, I))] * 2
+
+
 def _meminfo(monkeypatch, tmp_path, gib: float) -> None:
     path = tmp_path / "meminfo"
     path.write_text(f"MemTotal:       {int(128 * 2**20)} kB\nMemAvailable:   {int(gib * 2**20)} kB\n")
@@ -338,9 +361,14 @@ def test_flash_is_checked_against_host_memory_before_loading(monkeypatch, tmp_pa
     assert host_memory.weight_bytes(config, torch.bfloat16, "fp8")[0] == experts
     assert host_memory.weight_bytes(config, torch.bfloat16)[0] == 31 * 256 * 3 * 4096 * 1024 * 2
     _meminfo(monkeypatch, tmp_path, 120)
-    host_memory.check_host_memory(config, torch.bfloat16, torch.device("cuda"), "flash", "fp8")     # fits
-    with pytest.raises(MemoryError, match=r"needs 186.0 GiB .* Use fewer --layers, --expert-dtype fp8 or"):
-        host_memory.check_host_memory(config, torch.bfloat16, torch.device("cuda"), "flash")
+    cuda = torch.device("cuda")
+    host_memory.check_host_memory(config, torch.bfloat16, cuda, "flash", "fp8", pin=True)     # fits
+    with pytest.raises(MemoryError, match=r"needs 192.0 GiB .* \(routed experts 186.0 GiB, 192.0 GiB pinned\)"
+                                          r".* Use fewer --layers, --expert-dtype fp8 or"):
+        host_memory.check_host_memory(config, torch.bfloat16, cuda, "flash", pin=True)
+    _meminfo(monkeypatch, tmp_path, 95)          # the experts' bytes, not the pinned groups' (21 and 10 layers)
+    with pytest.raises(MemoryError, match=r"needs 96.0 GiB .* in fp8, 96.0 GiB pinned\); 95.0 GiB is available"):
+        host_memory.check_host_memory(config, torch.bfloat16, cuda, "flash", "fp8", pin=True)
     _meminfo(monkeypatch, tmp_path, 64)
     rc = main(["generate", "hi", "--random-weights", "llada2-flash", "--device", "cpu", "--dtype", "bfloat16",
                "--expert-dtype", "fp8"])

@@ -34,21 +34,27 @@ class ExpertStore:
         self.numel = fp8.blob_bytes(H, I) if self.fp8 else config.expert_numel
         self.pinned = False
         self.pinned_failed = False
-        self.blobs = [self._alloc(pin) for _ in self.layers]  # per layer [E, numel]; row e = expert e's blob
+        self.blobs = self._alloc(pin)      # per layer [E, numel]; row e = expert e's blob
         self.loaded = np.zeros((len(self.layers), config.num_experts, len(PARTS)), dtype=np.int32)
 
-    def _alloc(self, pin: bool) -> torch.Tensor:
+    def _alloc(self, pin: bool) -> list[torch.Tensor]:
+        """Each layer's blobs [E, numel]: pageable, or pinned in groups of layers (pinned_layer_groups)."""
         shape = (self.config.num_experts, self.numel)
-        if pin and not self.pinned_failed:
+        layers: list[torch.Tensor] = []
+        if pin:
             try:
-                t = torch.empty(shape, dtype=self.blob_dtype, pin_memory=True)
+                for count in pinned_layer_groups(self.layer_bytes, len(self.layers)):
+                    group = torch.empty((count * shape[0], shape[1]), dtype=self.blob_dtype, pin_memory=True)
+                    layers.extend(group.view(count, *shape).unbind(0))
                 self.pinned = True
-                return t
             except RuntimeError as e:  # e.g. locked-memory limit; pageable still works, just slower copies
                 log.warning("could not pin expert memory (%s); falling back to pageable host memory", e)
                 self.pinned_failed = True
-                self.pinned = False
-        return torch.empty(shape, dtype=self.blob_dtype)
+        return layers + [torch.empty(shape, dtype=self.blob_dtype) for _ in range(len(self.layers) - len(layers))]
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.config.num_experts * self.expert_bytes
 
     @property
     def expert_bytes(self) -> int:
@@ -100,6 +106,26 @@ class ExpertStore:
     def _names(self, which: np.ndarray) -> list[str]:
         li, ei, pi = np.nonzero(which)
         return [f"model.layers.{self.layers[l]}.mlp.experts.{e}.{PARTS[p]}.weight" for l, e, p in zip(li, ei, pi)]
+
+
+def pinned_layer_groups(layer_bytes: int, layers: int) -> list[int]:
+    """How many layers each pinned allocation holds. torch's pinned-memory allocator rounds an allocation up to a
+    power of two (one a layer, a 3 GiB layer of FP8 flash experts would pin 4 GiB), so the layers are pinned in
+    groups: all that are left where a power of two holds them with less than a layer to spare, else as many as the
+    largest power of two below their bytes holds."""
+    groups = []
+    while layers:
+        left = layers * layer_bytes
+        ceiling = 1 << (left - 1).bit_length()
+        count = layers if ceiling - left < layer_bytes else max(1, (ceiling // 2) // layer_bytes)
+        groups.append(count)
+        layers -= count
+    return groups
+
+
+def pinned_bytes(layer_bytes: int, layers: int) -> int:
+    """Host memory the pinned store takes: each group of pinned_layer_groups rounded up to a power of two."""
+    return sum(1 << (count * layer_bytes - 1).bit_length() for count in pinned_layer_groups(layer_bytes, layers))
 
 
 def blob_part(blob: torch.Tensor, part: str, hidden: int, intermediate: int) -> torch.Tensor:
