@@ -48,6 +48,15 @@
 #          `oled bench`, in run order: whether a cell's time depends on the cells run before it in the process
 #   flag   how long a kernel takes to see a mark the host stores in pinned memory, and what a CUDA graph of 19
 #          layers pays when each waits for the CPU kernel's rows (benchmarks/host_flag_probe.py; FLAG_ARGS adds flags)
+#   fp8    bf16 against FP8 experts (--expert-dtype) side by side on llada2-mini at 40 / 25 %: the default grid's
+#          request (FP8_PARTS "grid") and the routing proxy's trace (FP8_PARTS "routing"), FP8_POLICIES, each part one
+#          `oled bench` per expert dtype (FP8_S each), then TPOT and bytes an iteration per cell, bf16 beside FP8.
+#          Expected: about 150 s a dtype for "grid", 170 s a dtype for "routing" (3 requests), so one part a call
+#   flash  LLaDA2.0-flash, every layer, FP8 experts (93.2 GiB host, pinned as 96 GiB), one `oled bench` at
+#          FLASH_BUDGETS (default 40 / 25 %, 100 % too where the GPU holds every expert, e.g. an H200) with
+#          FLASH_POLICIES: TPOT, prefill, misses and bytes an iteration, the bound rows (the PCIe floor of the misses),
+#          load time (random weights made, quantised and pinned) and peak host / GPU memory (the result lines'
+#          model.load_seconds, memory; nvidia-smi's peak beside). Expected: 2-4 min load, about 5-8 min in all
 #   numerics  `oled compare` on the bundled model in bf16: teacher-forced logits (largest and mean difference, argmax
 #          agreement) and free-run tokens against full (every expert resident) of oled with the CPU share at 40 %, and
 #          of FP8 experts (all resident) where the engine has the expert_dtype setting; NUMERICS_MINI=1 adds the same
@@ -230,6 +239,77 @@ import json, sys
 for i, l in enumerate(open(sys.argv[1])):
     r = json.loads(l)
     print(i, r['policy_label'], r['budget'], 'TPOT ms %.3f' % r['metrics']['tpot_ms']['median'])" $R/order/results.jsonl
+fi
+if has fp8; then
+  for part in ${FP8_PARTS:-grid routing}; do
+    for dt in bf16 fp8; do
+      if [ $part = grid ]; then args="$GRID"
+      else args="--routing ${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} --random-weights llada2-mini
+                 --repeats 1 --warmup 1 --no-profile --no-progress $GRAPHS ${ROUTING_PROMPTS:+--prompts $ROUTING_PROMPTS}"
+      fi
+      start=$(date +%s)
+      timeout ${FP8_S:-280} python3 -m oled.cli bench $args --budgets 0.4,0.25 --expert-dtype $dt \
+        --policies ${FP8_POLICIES:-lru,lru:misses=cooperative,oled,oled-retain,oled-coop} --out $R/fp8-$part-$dt \
+        > $R/fp8-$part-$dt.log 2>&1
+      echo "fp8 $part $dt rc=$? in $(( $(date +%s) - start )) s"; tail -2 $R/fp8-$part-$dt.log; keep fp8-$part-$dt
+    done
+  done
+  python3 - $R/fp8-*-bf16 <<'PY'
+import json, os, sys
+def rows(d):
+    out = {}
+    for line in open(f"{d}/results.jsonl") if os.path.isfile(f"{d}/results.jsonl") else []:
+        r = json.loads(line)
+        out[(r["workload"]["name"], r["policy_label"], r["budget"])] = r["metrics"]
+    return out
+def med(m, key):
+    value = (m.get(key) or {}).get("median")
+    return float("nan") if value is None else value
+for bf16_dir in sys.argv[1:]:
+    bf16, fp8 = rows(bf16_dir), rows(bf16_dir[:-len("bf16")] + "fp8")
+    print(bf16_dir.rsplit("/", 1)[-1][:-5], "(bf16 | fp8): TPOT ms, H2D GB/iter, mapped GB/iter, agreement with full")
+    for key in sorted(set(bf16) | set(fp8)):
+        a, b = bf16.get(key, {}), fp8.get(key, {})
+        print("  %-24s %-5s TPOT %7.2f | %7.2f  H2D %6.3f | %6.3f  mapped %6.3f | %6.3f  agree %.2f | %.2f" % (
+            key[1], key[2], med(a, "tpot_ms"), med(b, "tpot_ms"), med(a, "h2d_gb_per_iteration"),
+            med(b, "h2d_gb_per_iteration"), med(a, "mapped_gb_per_iteration"), med(b, "mapped_gb_per_iteration"),
+            med(a, "token_agreement"), med(b, "token_agreement")))
+PY
+fi
+if has flash; then
+  budgets=${FLASH_BUDGETS:-}
+  if [ -z "$budgets" ]; then
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    budgets=0.4,0.25; [ "${gpu_mib:-0}" -gt 120000 ] && budgets=1.0,0.4,0.25     # 93.2 GiB of FP8 experts + dense
+  fi
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 1000 > $R/flash-gpu-mem.txt 2>/dev/null &
+  smi=$!
+  start=$(date +%s)
+  timeout ${FLASH_S:-540} python3 -m oled.cli bench --random-weights llada2-flash --expert-dtype fp8 --budgets $budgets \
+    --policies ${FLASH_POLICIES:-lru,oled} --workload code --prompts 1 --gen-length ${FLASH_GEN:-64} --block-length 32 \
+    --threshold 0.95 --repeats 1 --warmup 1 --no-profile --no-progress $GRAPHS ${FLASH_FLAGS:-} --out $R/flash \
+    > $R/flash.log 2>&1
+  echo "flash rc=$? in $(( $(date +%s) - start )) s"; kill $smi 2>/dev/null; tail -5 $R/flash.log; keep flash
+  echo "nvidia-smi peak GPU memory used: $(sort -n $R/flash-gpu-mem.txt | tail -1) MiB"
+  python3 - $R/flash/results.jsonl <<'PY'
+import json, os, sys
+if os.path.isfile(sys.argv[1]):
+    said = False
+    for line in open(sys.argv[1]):
+        r = json.loads(line)
+        m, mem = r["metrics"], r.get("memory") or {}
+        if not said and "load_seconds" in r.get("model", {}):
+            said = True
+            print("load %.1f s; after load: host RSS %.1f GiB, GPU %.1f GiB allocated" % (
+                r["model"]["load_seconds"], r["model"]["memory_after_load"]["host_peak_rss_bytes"] / 2**30,
+                (r["model"]["memory_after_load"]["gpu_peak_allocated_bytes"] or 0) / 2**30))
+        med = lambda k: float("nan") if (m.get(k) or {}).get("median") is None else m[k]["median"]    # noqa: E731
+        print("%-28s %-5s TPOT %8.2f ms  prefill %8.1f ms  misses/iter %7.1f  H2D %6.3f GB/iter  mapped %6.3f GB/iter"
+              "  peak host %.1f GiB GPU %.1f GiB" % (
+              r["policy_label"], r["budget"], med("tpot_ms"), med("prefill_ms"), med("misses_per_iteration"),
+              med("h2d_gb_per_iteration"), med("mapped_gb_per_iteration"),
+              (mem.get("host_peak_rss_bytes") or 0) / 2**30, (mem.get("gpu_peak_allocated_bytes") or 0) / 2**30))
+PY
 fi
 if has numerics; then
   numerics() {      # NAME MODEL-FLAGS CANDIDATE-FLAGS: one `oled compare` against full, its JSON to $OUT

@@ -134,6 +134,12 @@ class EngineConfig:
     seed: int = setting(0, "random-weights seed")
     device: str | None = setting(None, "cuda or cpu (default: cuda if available)")
     dtype: str | None = setting(None, "bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)")
+    # not a CLI `choices`: a bad value gets the engine's one line (argparse's would add the usage)
+    expert_dtype: str = setting(
+        "bf16", "how the routed experts are stored and moved: bf16 (as published), or fp8 (e4m3 with a power-of-two "
+                "scale per output channel, quantised at load: half the bytes in host memory, over PCIe and in GPU "
+                "slots; changes the experts' numerics; dense layers, attention, router, shared expert and LM head "
+                "stay bf16) (default: %(default)s)", metavar="{bf16,fp8}")
     expert_budget: str = setting(
         "1.0", "GPU memory for routed experts: fraction (0.4), percent (40%%) or size (12GiB)")
     # a policy's name with its options, name:key=value[:key=value] (oled/policies/spec.py); the CLI lists the names

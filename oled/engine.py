@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .config import FUSED_KERNELS, FUSED_OPT_IN, EngineConfig
+from .fp8 import check_expert_dtype
 from .decoding.model_runner import ModelRunner
 from .decoding.loop import GenerationResult, generate
 from .decoding.params import DecodeParams
@@ -76,6 +77,7 @@ class Engine:
         capture = cfg.offload.capture_slots
         if not isinstance(capture, int) or capture < 0:
             raise ValueError(f"--capture-slots must be an integer >= 0, got {capture!r}")
+        check_expert_dtype(cfg.expert_dtype)
         c = cfg.cpu
         check_cpu_wake(c.cpu_wake)        # before anything is loaded
         check_knobs(c.cpu_isa, c.cpu_amx_min_tokens, c.cpu_spin_us, c.cpu_chunks, c.cpu_prefetch_distance)
@@ -93,8 +95,8 @@ class Engine:
         if cfg.random_weights:
             raw = preset_config(cfg.random_weights, cfg.layers)
             config = config_from_dict(raw)
-            check_host_memory(config, self.dtype, self.device, f"preset {cfg.random_weights}")
-            loaded = build_empty(config, self.dtype, self.device, pin)
+            check_host_memory(config, self.dtype, self.device, f"preset {cfg.random_weights}", cfg.expert_dtype, pin)
+            loaded = build_empty(config, self.dtype, self.device, pin, cfg.expert_dtype)
             gen_device = self.device if self.device.type == "cuda" else "cpu"
             stream = random_tensors(config, cfg.seed, device=gen_device, dtype=self.dtype)
             if progress:
@@ -111,8 +113,9 @@ class Engine:
             config = load_config(model_dir)
             self.tokenizer = Tokenizer.from_dir(model_dir)
             self.tokenizer.check_against(config, source=str(model_dir / "tokenizer.json"))
-            check_host_memory(config, self.dtype, self.device, str(model_dir))
-            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress)
+            check_host_memory(config, self.dtype, self.device, str(model_dir), cfg.expert_dtype, pin)
+            loaded = load_checkpoint(model_dir, self.dtype, self.device, pin=pin, progress=progress,
+                                     expert_dtype=cfg.expert_dtype)
             self.model_name = model_dir.name
         self.config, self.model, self.store = loaded.config, loaded.model, loaded.store
         self._settle_kernels()
@@ -263,6 +266,7 @@ class Engine:
                 f"{self.config.num_experts} experts/layer) on {self.device} {str(self.dtype).replace('torch.', '')}; "
                 f"policy {self.policy.name}; {self.budget.describe(self.cache_place)}; non-expert weights "
                 f"{self.non_expert_bytes / 2**30:.2f} GiB; host experts {self.store.host_bytes / 2**30:.2f} GiB"
+                f"{' fp8' if self.store.fp8 else ''}"
                 f"{' pinned' if self.store.pinned else ''}; Triton kernels: "
                 + (", ".join(n.removeprefix("fused_") for n, on in self.kernels.items() if on) or "none")
                 + (f"; miss service: {self.manager.costs.describe()}" if self.manager.costs is not None else ""))

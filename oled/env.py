@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import resource
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -50,6 +51,15 @@ def _mem_total_gib() -> float | None:
     except OSError:
         pass
     return None
+
+
+def peak_memory(device) -> dict:
+    """The process's peak memory so far: host resident set (pinned expert store included) and, on CUDA, the most
+    GPU memory torch has held allocated."""
+    device = torch.device(device)
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "gpu_peak_allocated_bytes": gpu}
 
 
 def device_label(device) -> str:

@@ -109,15 +109,16 @@ class LoadedModel:
     store: ExpertStore
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device, pin: bool) -> LoadedModel:
-    """The model with uninitialised non-expert weights on `device`, and an empty expert store on the host."""
+def build_empty(config: ModelConfig, dtype: torch.dtype, device, pin: bool, expert_dtype: str = "bf16") -> LoadedModel:
+    """The model with uninitialised non-expert weights on `device`, and an empty expert store on the host (its blobs
+    in expert_dtype: runtime/store.py)."""
     with torch.device("meta"):
         # every tensor in `dtype`, the router's bias included: the official models hold it in the dtype they are
         # loaded in (the published files store it in fp32)
         model = MoEDiffusionLM(config).to(dtype)
     model = model.to_empty(device=device).eval()
     model.requires_grad_(False)
-    return LoadedModel(config, model, ExpertStore(config, dtype, pin=pin))
+    return LoadedModel(config, model, ExpertStore(config, dtype, pin=pin, expert_dtype=expert_dtype))
 
 
 def load_tensors(loaded: LoadedModel, tensors: Iterator[tuple[str, torch.Tensor, str]]) -> None:
@@ -229,12 +230,12 @@ def stream_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]
 
 
 def load_checkpoint(model_dir: str | Path, dtype: torch.dtype, device, pin: bool = True,
-                    progress: bool = False) -> LoadedModel:
+                    progress: bool = False, expert_dtype: str = "bf16") -> LoadedModel:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     config = load_config(model_dir)
-    loaded = build_empty(config, dtype, device, pin)
+    loaded = build_empty(config, dtype, device, pin, expert_dtype)
     stream = stream_checkpoint(model_dir)
     if progress:
         stream = tqdm(stream, total=len(official_tensors(config)), desc="loading", unit="tensor", leave=False,

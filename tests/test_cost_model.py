@@ -37,7 +37,7 @@ def _slowdown(monkeypatch, needed: float, busy_times: list[float], pinned: bool 
     times = iter(busy_times)
     monkeypatch.setattr(cost_model, "_CopyLoad", lambda *a: _FakeLoad(*a, needed=needed))
     monkeypatch.setattr(cost_model, "calibrate", lambda *a, **k: {4: next(times)})
-    store = SimpleNamespace(pinned=pinned, hidden=8, intermediate=4, dtype=None)
+    store = SimpleNamespace(pinned=pinned, hidden=8, intermediate=4, dtype=None, expert_dtype="bf16")
     return cost_model._cpu_slowdown_with_copies(store, None, "cuda", 50.0, alone_s=1e-4, jobs=8)
 
 

@@ -409,20 +409,25 @@ COMPILE_SM90 = textwrap.dedent("""
     tiles = {"HIDDEN": 2048, "INTER": 512, "BLOCK_M": 16, "BLOCK_K": 128, "INTERPRETED": False}
     blocks = {"sorted_pairs_ptr": "*i32", "block_slots_ptr": "*i32", "block_capture_ptr": "*i32"}
     stores = {}
+    # ("fp8": FP8 blobs, bytes, under bf16 activations)
     for dtype, mapped, capture, shared in (("bf16", False, False, False), ("fp32", False, False, False),
                                            ("bf16", True, False, False), ("bf16", True, True, False),
-                                           ("bf16", False, False, True), ("bf16", True, True, True)):
-        weights = dict(pool_ptr=f"*{dtype}", host_ptr=f"*{dtype}", shared_ptr=f"*{dtype}", pool_row_stride="i32",
+                                           ("bf16", False, False, True), ("bf16", True, True, True),
+                                           ("fp8", False, False, False), ("fp8", True, True, False)):
+        fp8 = dtype == "fp8"
+        blob = "u8" if fp8 else dtype
+        dtype = "bf16" if fp8 else dtype
+        weights = dict(pool_ptr=f"*{blob}", host_ptr=f"*{blob}", shared_ptr=f"*{blob}", pool_row_stride="i32",
                        host_row_stride="i32", host_bin="i32", shared_bin="i32")
         gate_up = build(gate_up_kernel,
             dict(blocks, **weights, x_ptr=f"*{dtype}", act_ptr=f"*{dtype}", x_row_stride="i32", num_routed="i32",
                  top_k="i32"),
-            dict(tiles, BLOCK_N=32, MAPPED=mapped, CAPTURE=capture, SHARED=shared), 4,
+            dict(tiles, BLOCK_N=32, MAPPED=mapped, CAPTURE=capture, SHARED=shared, FP8=fp8), 4,
             aligned=("x_ptr", "pool_ptr", "host_ptr", "act_ptr", "x_row_stride", "pool_row_stride",
                      "host_row_stride"))
         down = build(down_kernel,
             dict(blocks, **weights, act_ptr=f"*{dtype}", out_ptr=f"*{dtype}", out_row_stride="i32"),
-            dict(tiles, BLOCK_N=64, MAPPED=mapped, CAPTURE=capture, SHARED=shared), 4,
+            dict(tiles, BLOCK_N=64, MAPPED=mapped, CAPTURE=capture, SHARED=shared, FP8=fp8), 4,
             aligned=("act_ptr", "pool_ptr", "host_ptr", "out_ptr", "pool_row_stride", "host_row_stride",
                      "out_row_stride"))
         for asm in (gate_up, down):
@@ -431,7 +436,9 @@ COMPILE_SM90 = textwrap.dedent("""
             # bf16 on the tensor cores; fp32 with input_precision="ieee" as exact FMAs, never TF32
             assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in asm["ptx"]) == (dtype == "bf16")
             assert "tf32" not in asm["ptx"]
-        if mapped and not shared:   # a capture writes the weight tiles it read into the slot: more global stores
+            # FP8: e4m3 pairs widened to bf16 in registers (Hopper's cvt), the column scales read as fp32
+            assert ("cvt.rn.bf16x2.e4m3x2" in asm["ptx"] or "cvt.rn.f16x2.e4m3x2" in asm["ptx"]) == fp8
+        if mapped and not shared and not fp8:   # a capture writes the weight tiles it read into the slot: more global stores
             stores[capture] = (gate_up["ptx"].count("st.global"), down["ptx"].count("st.global"))
     assert all(c > p for c, p in zip(stores[True], stores[False])), stores
     assert "div.rn.f32" in gate_up["ptx"], "silu must divide like torch"

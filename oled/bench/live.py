@@ -21,7 +21,7 @@ import torch
 from ..decoding.loop import generate
 from ..decoding.procedure import usable_positions
 from ..engine import Engine, default_model_dir
-from ..env import environment, now
+from ..env import environment, now, peak_memory
 from ..models.config import config_from_dict
 from ..policies.fiddler import popularity_document
 from ..runtime.budget import BudgetError, parse_budget
@@ -99,11 +99,15 @@ class LiveRuns:
         # the grid's engine settings; each run sets its own policy and budget, and its options (Grid.policy_options)
         base = replace(cfg.engine, policy="lru", expert_budget=self._smallest_budget_guess(), tide_tau=None,
                        popularity=None)
+        start = time.perf_counter()
         engine = Engine(base, progress=cfg.progress)
+        load_seconds = time.perf_counter() - start
         self.engine = engine
         self.grid.check_budgets(len(engine.config.moe_layers), engine.config.num_experts, engine.store.expert_bytes)
         self.grid.env = environment(engine.device)
-        model_info = self._model_info(engine)
+        # the load: its time (random weights made, FP8 quantised, the store pinned) and the memory it left
+        model_info = dict(self._model_info(engine), load_seconds=load_seconds,
+                          memory_after_load=peak_memory(engine.device))
         if cfg.routing:
             workloads = [self._routing_workload(engine, model_info)]
             cfg = self.grid.cfg
@@ -329,6 +333,7 @@ class LiveRuns:
             "env": self.grid.env,
             "metrics": metrics,
             "sections_per_iteration_ms": sections,
+            "memory": peak_memory(engine.device),       # the process's peaks up to this row
             "h2d_copy_gbps": copy_gbps,     # profiled pass, CUDA only: the copy path's achieved bandwidth
             # the measured miss-service costs the runtime predicts CPU jobs with (CPU policies only)
             "cost_model": engine.manager.costs.to_dict() if engine.manager.costs is not None else None,
@@ -371,6 +376,7 @@ class LiveRuns:
         return {"name": engine.model_name, "model_type": c.model_type, "num_layers": c.num_layers,
                 "moe_layers": len(c.moe_layers), "num_experts": c.num_experts, "top_k": c.top_k,
                 "expert_bytes": engine.store.expert_bytes, "total_expert_bytes": engine.store.host_bytes,
+                "expert_dtype": engine.store.expert_dtype,
                 "non_expert_bytes": engine.non_expert_bytes, "random_weights": engine.cfg.random_weights,
                 "dtype": str(engine.dtype).replace("torch.", ""),
                 "triton_kernels": [name.removeprefix("fused_") for name, on in engine.kernels.items() if on],

@@ -21,7 +21,11 @@
  *
  * Code paths: "avx512_bf16" (vdpbf16ps with the tokens as the second operand), "amx" (the same plus AMX tiles for
  * jobs with many tokens, where AVX-512 becomes compute-bound), both compiled with target attributes so the rest of
- * the file stays baseline x86-64; and "portable" (plain C, fp32 accumulate, bf16 or fp32 weights).
+ * the file stays baseline x86-64; and "portable" (plain C, fp32 accumulate, bf16, fp32 or FP8 weights).
+ *
+ * FP8 blobs (oled/fp8.py): gate | up | down in e4m3 bytes, then one fp32 scale per output row (gate's I, up's I,
+ * down's H). A row's dot product sums the e4m3 values (exact in fp32) times the tokens, and its sum is multiplied by
+ * the row's scale: a power of two, so the result is the bits of the same sum over the dequantised weights.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -95,6 +99,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, keep NaN
     return (uint16_t)(u >> 16);
 }
 
+/* e4m3 (float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN) -> fp32, through a table built once at load */
+static float fp8_table[256];
+
+static float e4m3_to_f32(uint8_t v) {
+    int e = (v >> 3) & 0xf, m = v & 7;
+    float f = (e == 0xf && m == 7) ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return (v & 0x80) ? -f : f;
+}
+
+__attribute__((constructor)) static void fp8_table_init(void) {
+    for (int v = 0; v < 256; v++) fp8_table[v] = e4m3_to_f32((uint8_t)v);
+}
+
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -145,10 +162,11 @@ int oled_has_amx(void) {
 /* task description and thread pool                                                                               */
 
 enum { MODE_PORTABLE = 0, MODE_AVX512BF16 = 1, MODE_AMX = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };   /* a blob's weights */
 
 typedef struct {
     int mode;
-    int x_bf16, w_bf16;
+    int x_bf16, w_fmt; /* w_fmt: W_F32, W_BF16 or W_FP8 */
     const void *x;
     int64_t T, H, I, P, J;
     const int64_t *tok, *off, *blobs;
@@ -316,7 +334,21 @@ static float dot_bf16(const uint16_t *w, const float *x, int64_t K) {
 }
 
 static inline float wdot(const task_t *t, const void *w, int64_t row, int64_t K, const float *x) {
-    return t->w_bf16 ? dot_bf16((const uint16_t *)w + row * K, x, K) : dot_f32((const float *)w + row * K, x, K);
+    return t->w_fmt == W_BF16 ? dot_bf16((const uint16_t *)w + row * K, x, K) : dot_f32((const float *)w + row * K, x, K);
+}
+
+/* An FP8 row's e4m3 values as fp32 (unscaled), once for all the job's tokens: its dot products are then dot_f32's,
+ * the same sums in the same order as over the dequantised fp32 weights, scaled after. */
+static void fp8_row(const uint8_t *w, int64_t row, int64_t K, float *dst) {
+    const uint8_t *src = w + row * K;
+    for (int64_t k = 0; k < K; k++) dst[k] = fp8_table[src[k]];
+}
+
+static inline size_t weight_size(int w_fmt) { return w_fmt == W_FP8 ? 1 : w_fmt == W_BF16 ? 2 : 4; }
+
+/* an FP8 blob's scales: gate's I, up's I, down's H, after the three matrices */
+static inline const float *blob_scales(const task_t *t, const char *blob) {
+    return (const float *)(blob + 3 * (size_t)t->I * t->H);
 }
 
 static void gather_portable(const task_t *t, int64_t p0, int64_t p1) {
@@ -334,23 +366,39 @@ static void gather_portable(const task_t *t, int64_t p0, int64_t p1) {
 
 static void gu_seg_portable(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
     int64_t H = t->H, I = t->I, p0 = t->off[j], n = t->off[j + 1] - p0;
-    size_t es = t->w_bf16 ? 2 : 4;
+    size_t es = weight_size(t->w_fmt);
     const char *g = (const char *)(intptr_t)t->blobs[j], *u = g + (size_t)I * H * es;
-    for (int64_t r = r0; r < r1; r++)
+    const float *sc = blob_scales(t, g); /* FP8 only */
+    int fp8 = t->w_fmt == W_FP8;
+    float grow[fp8 ? H : 1], urow[fp8 ? H : 1];
+    for (int64_t r = r0; r < r1; r++) {
+        if (fp8) {
+            fp8_row((const uint8_t *)g, r, H, grow);
+            fp8_row((const uint8_t *)u, r, H, urow);
+        }
         for (int64_t i = 0; i < n; i++) {
             const float *x = (const float *)t->xs + (p0 + i) * t->xs_stride;
-            float sg = wdot(t, g, r, H, x), su = wdot(t, u, r, H, x);
+            float sg = fp8 ? dot_f32(grow, x, H) * sc[r] : wdot(t, g, r, H, x);
+            float su = fp8 ? dot_f32(urow, x, H) * sc[I + r] : wdot(t, u, r, H, x);
             ((float *)t->act)[(p0 + i) * t->act_stride + r] = sg / (1.f + expf(-sg)) * su;
         }
+    }
 }
 
 static void down_seg_portable(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
     int64_t H = t->H, I = t->I, p0 = t->off[j], n = t->off[j + 1] - p0;
-    size_t es = t->w_bf16 ? 2 : 4;
-    const char *d = (const char *)(intptr_t)t->blobs[j] + 2 * (size_t)I * H * es;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = 0; i < n; i++)
-            t->out[(p0 + i) * H + r] = wdot(t, d, r, I, (const float *)t->act + (p0 + i) * t->act_stride);
+    size_t es = weight_size(t->w_fmt);
+    const char *blob = (const char *)(intptr_t)t->blobs[j], *d = blob + 2 * (size_t)I * H * es;
+    const float *sc = blob_scales(t, blob) + 2 * I; /* FP8 only */
+    int fp8 = t->w_fmt == W_FP8;
+    float drow[fp8 ? I : 1];
+    for (int64_t r = r0; r < r1; r++) {
+        if (fp8) fp8_row((const uint8_t *)d, r, I, drow);
+        for (int64_t i = 0; i < n; i++) {
+            const float *a = (const float *)t->act + (p0 + i) * t->act_stride;
+            t->out[(p0 + i) * H + r] = fp8 ? dot_f32(drow, a, I) * sc[r] : wdot(t, d, r, I, a);
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------------------- */
@@ -965,7 +1013,7 @@ void oled_wait(void *handle) {
  * mode: 0 portable, 1 AVX-512 BF16, 2 AVX-512 BF16 + AMX for jobs with >= amx_min tokens (needs H, I multiples
  * of 32; oled_has_amx() must have returned 1). tokw: per-token cost of a weight element in 1/256 of its read. */
 int oled_submit(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
-                int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
+                int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_fmt, float *out, int64_t tokw,
                 int64_t amx_min, int chunks_per_thread) {
     pool_t *p = (pool_t *)handle;
     if (p) oled_wait(p);    /* the workers own the task struct and the scratch buffers until then */
@@ -980,15 +1028,16 @@ int oled_submit(void *handle, int mode, const void *x, int x_bf16, int64_t T, in
     }
     for (int64_t i = 0; i < P; i++)
         if (tok[i] < 0 || tok[i] >= T) return -2;
-    if (mode == MODE_AVX512BF16 && (!OLED_FAST || !w_bf16)) return -4;
-    if (mode == MODE_AMX && (!OLED_AMX || !w_bf16)) return -4;
+    if (w_fmt < W_F32 || w_fmt > W_FP8) return -1;
+    if (mode == MODE_AVX512BF16 && (!OLED_FAST || w_fmt != W_BF16)) return -4;
+    if (mode == MODE_AMX && (!OLED_AMX || w_fmt != W_BF16)) return -4;
     if (mode == MODE_AMX && (H % 32 || I % 32 || amx_min < 1)) mode = MODE_AVX512BF16;
 
     task_t *t = &p->task;
     t->mode = mode;
     t->x = x;
     t->x_bf16 = x_bf16;
-    t->w_bf16 = w_bf16;
+    t->w_fmt = w_fmt;
     t->T = T; t->H = H; t->I = I; t->P = P; t->J = J;
     t->tok = tok; t->off = off; t->blobs = blobs; t->out = out;
     t->tokw = tokw < 0 ? 0 : tokw;
@@ -1033,9 +1082,9 @@ int oled_submit(void *handle, int mode, const void *x, int x_bf16, int64_t T, in
 
 /* oled_submit, then oled_wait: one task, returned when done. */
 int oled_run(void *handle, int mode, const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, const int64_t *tok,
-             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_bf16, float *out, int64_t tokw,
+             int64_t P, const int64_t *off, int64_t J, const int64_t *blobs, int w_fmt, float *out, int64_t tokw,
              int64_t amx_min, int chunks_per_thread) {
-    int rc = oled_submit(handle, mode, x, x_bf16, T, H, I, tok, P, off, J, blobs, w_bf16, out, tokw, amx_min,
+    int rc = oled_submit(handle, mode, x, x_bf16, T, H, I, tok, P, off, J, blobs, w_fmt, out, tokw, amx_min,
                          chunks_per_thread);
     if (rc == 0) oled_wait(handle);
     return rc;

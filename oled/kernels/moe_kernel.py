@@ -15,6 +15,10 @@ its pairs, past the routed ones, are one a token.
 With CAPTURE, block_capture[block] >= 0 names a slot of the pool (one no pair of the call reads) that the block's
 programs copy the weight tiles they read into (the first block of an expert read from host memory: the alignment
 chose it), so that the expert ends up resident, its bytes having crossed PCIe once.
+With FP8, the pool, the host blobs and the capture slots hold FP8 blobs (oled/fp8.py: bytes, e4m3 weights then one
+fp32 scale per output channel): a weight tile is read as e4m3 and widened to the activations' dtype (exact), the
+tile's fp32 sums multiplied by their columns' scales (powers of two: exact), so a pair gets the bits the same kernel
+gives over the dequantised weights in bf16 or fp32; a capture copies the tiles' bytes and the scales.
 HIDDEN and INTER are constexprs (one compilation per model shape): the K loops have static trip counts, which
 Triton software-pipelines, and which the interpreter can run (not a runtime-bound `for`, triton-lang/triton#9171).
 """
@@ -46,6 +50,22 @@ def _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_str
 
 
 @triton.jit
+def _matrices(blob, FP8: tl.constexpr):
+    """Where a blob's weights start, typed: its bytes as e4m3 with FP8, else the blob as it is."""
+    if FP8:
+        w = blob.to(tl.pointer_type(tl.float8e4nv))
+    else:
+        w = blob
+    return w
+
+
+@triton.jit
+def _scales(blob, HIDDEN: tl.constexpr, INTER: tl.constexpr):
+    """An FP8 blob's fp32 scales, after its 3 * INTER * HIDDEN weight bytes: gate's INTER, up's INTER, down's HIDDEN."""
+    return (blob + 3 * INTER * HIDDEN).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, up_offset,
                   HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   INTERPRETED: tl.constexpr, STORE: tl.constexpr):
@@ -60,8 +80,8 @@ def _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, up_offset,
         if STORE:
             tl.store(cap_ptrs + k0, gate_w)
             tl.store(cap_ptrs + up_offset + k0, up_w)
-        acc_gate = exact_dot(xs, gate_w, acc_gate, INTERPRETED)
-        acc_up = exact_dot(xs, up_w, acc_up, INTERPRETED)
+        acc_gate = exact_dot(xs, gate_w.to(xs.dtype), acc_gate, INTERPRETED)      # FP8: widened (exact)
+        acc_up = exact_dot(xs, up_w.to(xs.dtype), acc_up, INTERPRETED)
     return acc_gate, acc_up
 
 
@@ -75,7 +95,8 @@ def _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER: tl.constexpr, BLOCK_M: tl.c
         down_w = tl.load(down_ptrs + k0)
         if STORE:
             tl.store(cap_ptrs + k0, down_w)
-        acc = exact_dot(tl.load(act_ptrs + k0), down_w, acc, INTERPRETED)
+        act = tl.load(act_ptrs + k0)
+        acc = exact_dot(act, down_w.to(act.dtype), acc, INTERPRETED)
     return acc
 
 
@@ -94,7 +115,7 @@ def gate_up_kernel(
     x_row_stride, pool_row_stride, host_row_stride, host_bin, shared_bin, num_routed, top_k,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr,
 ):
     """act[row, n] = silu(x[token] . gate[n]) * (x[token] . up[n]) for the block's rows and BLOCK_N columns n of
     the intermediate, in one pass over the hidden dimension (gate and up tiles read side by side).
@@ -120,18 +141,29 @@ def gate_up_kernel(
     # the blob's gate rows [INTER, HIDDEN] then up rows: tile [BLOCK_K, BLOCK_N] of gate^T and of up^T
     blob = _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
                     MAPPED, SHARED)
-    gate_ptrs = blob + n[None, :] * HIDDEN + k[:, None]
+    gate_ptrs = _matrices(blob, FP8) + n[None, :] * HIDDEN + k[:, None]
     up_ptrs = gate_ptrs + INTER * HIDDEN
     x_ptrs = x_ptr + token[:, None] * x_row_stride + k[None, :]
     # a block that captures runs the loop that also stores the tiles; every other block the plain one
     cap = _capture_slot(block_capture_ptr, block, CAPTURE)
-    cap_ptrs = pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride + n[None, :] * HIDDEN + k[:, None]
+    cap_blob = pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride
+    cap_ptrs = _matrices(cap_blob, FP8) + n[None, :] * HIDDEN + k[:, None]
     if cap >= 0:
         acc_gate, acc_up = _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, INTER * HIDDEN, HIDDEN,
                                          BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, True)
     else:
         acc_gate, acc_up = _gate_up_loop(x_ptrs, gate_ptrs, up_ptrs, has_pair, cap_ptrs, INTER * HIDDEN, HIDDEN,
                                          BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, False)
+    if FP8:         # the columns' scales on the sums (and into the capture slot with the tiles)
+        scales = _scales(blob, HIDDEN, INTER)
+        gate_scale = tl.load(scales + n)
+        up_scale = tl.load(scales + INTER + n)
+        acc_gate = acc_gate * gate_scale[None, :]
+        acc_up = acc_up * up_scale[None, :]
+        if cap >= 0:
+            cap_scales = _scales(cap_blob, HIDDEN, INTER)
+            tl.store(cap_scales + n, gate_scale)
+            tl.store(cap_scales + INTER + n, up_scale)
 
     # the torch path's rounding points: h = x @ gate_up^T in x's dtype, silu(h_gate) in x's dtype, then the
     # product rounded once more (no-ops in fp32)
@@ -147,7 +179,7 @@ def down_kernel(
     pool_row_stride, host_row_stride, host_bin, shared_bin, out_row_stride,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr,
+    MAPPED: tl.constexpr, CAPTURE: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr,
 ):
     """out[pair, n] = act[row] . down[n] for the block's rows that hold a pair and BLOCK_N columns n of the
     hidden dimension: written straight to the pair's row of out, every other row of out untouched."""
@@ -163,15 +195,20 @@ def down_kernel(
     # the blob's down matrix [HIDDEN, INTER] after gate and up: tile [BLOCK_K, BLOCK_N] of down^T
     blob = _weights(pool_ptr, host_ptr, shared_ptr, slot, pool_row_stride, host_row_stride, host_bin, shared_bin,
                     MAPPED, SHARED)
-    down_ptrs = blob + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
+    down_ptrs = _matrices(blob, FP8) + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     act_ptrs = act_ptr + row[:, None] * INTER + k[None, :]
     cap = _capture_slot(block_capture_ptr, block, CAPTURE)
-    cap_ptrs = (pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride + 2 * INTER * HIDDEN
-                + n[None, :] * INTER + k[:, None])
+    cap_blob = pool_ptr + tl.maximum(cap, 0).to(tl.int64) * pool_row_stride
+    cap_ptrs = _matrices(cap_blob, FP8) + 2 * INTER * HIDDEN + n[None, :] * INTER + k[:, None]
     if cap >= 0:
         acc = _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, True)
     else:
         acc = _down_loop(act_ptrs, down_ptrs, cap_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, False)
+    if FP8:
+        down_scale = tl.load(_scales(blob, HIDDEN, INTER) + 2 * INTER + n)
+        acc = acc * down_scale[None, :]
+        if cap >= 0:
+            tl.store(_scales(cap_blob, HIDDEN, INTER) + 2 * INTER + n, down_scale)
 
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * out_row_stride + n[None, :]
     dtype = out_ptr.dtype.element_ty

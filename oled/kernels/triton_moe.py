@@ -30,6 +30,11 @@ counts the bits that differ on the GPU); in fp32 they agree to rounding. Under t
 numpy's exp, and bf16 is rounded on the bits, to nearest even as a compiled cast rounds (the interpreter's own cast
 truncates).
 
+FP8 experts (a uint8 pool of oled/fp8.py's blobs; host and capture alike): the weight tiles are read as e4m3 and
+widened to x's dtype, and each column's fp32 sum is multiplied by its power-of-two scale, so the outputs are the bits
+of the same launches over the dequantised weights (the rounding above is unchanged). The shared expert (bf16) is
+not computed in an FP8 pool's launches.
+
 Independence: a pair's output depends only on x[t] and its slot's weights: the K order is fixed, tiles are
 row-independent (which row of its block a pair lands in, the atomics' order on a GPU, does not matter), and no
 split of K depends on the routing. So a pair gives the same bits alone or among many, in any slot
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import fp8
 from .triton_support import available, check_device, interpreted
 
 __all__ = ["CpuShare", "MoeTiles", "align_pairs", "available", "combine_pairs", "fused_swiglu_pairs", "padded_rows"]
@@ -123,7 +129,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     x [T, H]; pair_slots [T * k] int64, token-major (-1: no slot; a slot outside slot_base .. slot_base + S - 1
     is skipped as well); pool [S, 3 * I * H] (rows contiguous, any row stride); out [T * k, H] (rows
     contiguous, any row stride), written in place. x, pool and out share a dtype (fp32, bf16 or fp16) and a
-    device. Raises ValueError for anything else. Three launches (see the module docstring), none when there are
+    device; or pool holds FP8 blobs ([S, fp8.blob_bytes(H, I)] uint8, host too; no shared). Raises ValueError for anything else. Three launches (see the module docstring), none when there are
     no pairs or no slots. With slot_map ([E] int64, the device slot map's row of the layer: expert -> slot or -1),
     pair_slots holds each pair's expert id instead, and the alignment looks the slot up (what index_select made
     before the call, one launch fewer). With host as well ([E, 3 * I * H], the layer's expert blobs in host memory:
@@ -148,6 +154,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
                            shared_rows=0 if shared is None else x.shape[0])
     _check_shared(shared, pool)
     check_device(gate_up_kernel, x, pair_slots, pool, out)
+    is_fp8 = fp8.is_fp8_blob(pool)
     _check_host(host, slot_map, pool, gate_up_kernel)
     if capture is not None and (host is None or slot_map is None or capture.dim() != 1
                                 or capture.dtype != torch.int64 or capture.device != pool.device):
@@ -169,7 +176,7 @@ def fused_swiglu_pairs(x: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Te
     act = torch.empty(sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=x.device)
 
     launch = dict(INTERPRETED=interpreted(gate_up_kernel), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                  MAPPED=mapped, CAPTURE=capture is not None, SHARED=shared is not None)
+                  MAPPED=mapped, CAPTURE=capture is not None, SHARED=shared is not None, FP8=is_fp8)
     host = host if mapped else pool                             # not read without MAPPED
     shared = pool if shared is None else shared                 # not read without SHARED
     n_up, k_up = _fit(tiles.gate_up_n, intermediate), _fit(tiles.gate_up_k, hidden)
@@ -324,6 +331,8 @@ def _check_shared(shared, pool) -> None:
     """shared: None, or the shared expert's blob [3 * I * H], contiguous, in pool's dtype on pool's device."""
     if shared is None:
         return
+    if fp8.is_fp8_blob(pool):
+        raise ValueError("shared: the shared expert stays bf16, and is not computed in an FP8 pool's launches")
     if (shared.dim() != 1 or shared.shape[0] != pool.shape[1] or shared.stride(0) != 1 or shared.dtype != pool.dtype
             or shared.device != pool.device):
         raise ValueError(f"shared must be a contiguous [{pool.shape[1]}] {pool.dtype} blob on {pool.device}, got "
@@ -350,16 +359,18 @@ def _check(x, pair_slots, pool, hidden, intermediate, out, slot_base, shared_row
     tokens, num_pairs = x.shape[0], pair_slots.shape[0]
     if (tokens == 0) != (num_pairs == 0) or (tokens and num_pairs % tokens):
         raise ValueError(f"pair_slots must hold k pairs for each of the {tokens} tokens, got {num_pairs}")
-    if pool.dim() != 2 or pool.shape[1] != 3 * intermediate * hidden or pool.stride(1) != 1:
-        raise ValueError(f"pool must be [S, {3 * intermediate * hidden}] with contiguous rows, got "
+    is_fp8 = fp8.is_fp8_blob(pool)
+    row = fp8.blob_bytes(hidden, intermediate) if is_fp8 else 3 * intermediate * hidden
+    if pool.dim() != 2 or pool.shape[1] != row or pool.stride(1) != 1:
+        raise ValueError(f"pool must be [S, {row}] with contiguous rows, got "
                          f"{tuple(pool.shape)} strides {pool.stride()}")
     if out.shape != (num_pairs + shared_rows, hidden) or out.stride(1) != 1:
         raise ValueError(f"out must be [{num_pairs + shared_rows}, {hidden}] with contiguous rows, got "
                          f"{tuple(out.shape)} "
                          f"strides {out.stride()}")
-    if x.dtype not in _DTYPES or pool.dtype != x.dtype or out.dtype != x.dtype:
-        raise ValueError(f"x, pool and out must share one of {[str(d) for d in _DTYPES]}, got {x.dtype}, "
-                         f"{pool.dtype}, {out.dtype}")
+    if x.dtype not in _DTYPES or (pool.dtype != x.dtype and not is_fp8) or out.dtype != x.dtype:
+        raise ValueError(f"x, pool and out must share one of {[str(d) for d in _DTYPES]} (or the pool hold FP8 "
+                         f"blobs, uint8), got {x.dtype}, {pool.dtype}, {out.dtype}")
     if not isinstance(slot_base, int) or slot_base < 0:
         raise ValueError(f"slot_base must be an int >= 0, got {slot_base!r}")
     if x.stride(1) != 1:

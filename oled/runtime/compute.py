@@ -53,7 +53,8 @@ class ExpertCompute:
         # EngineConfig.shared_in_moe: the fused MoE kernels compute each layer's shared expert as one more expert of
         # every token, from its blob (layer -> blob, given by the model runner: use_shared_blob), in the launches of
         # the layer's hits, on every path: no GEMMs, activation or stream of its own
-        self.shared_in_moe = bool(shared_in_moe) and self.fused_swiglu is not None
+        # (not over FP8 slots: the shared expert stays bf16, and a launch reads one blob layout)
+        self.shared_in_moe = bool(shared_in_moe) and self.fused_swiglu is not None and not store.fp8
         self.shared_blobs: dict[int, torch.Tensor] = {}
 
     def grouped(self, layer, x, pair_slots, y_pairs, n_valid: int | None, host: bool = False) -> None:

@@ -38,7 +38,7 @@ def _time_copies(store, device, n: int, min_rounds: int = 5, min_seconds: float 
     layers, experts = store.layers, store.config.num_experts
     n = min(n, len(layers) * experts)
     blobs = [store.blob(layers[i % len(layers)], i // len(layers)) for i in range(n)]
-    dst = torch.empty(n, store.numel, dtype=store.dtype, device=device)
+    dst = torch.empty(n, store.numel, dtype=store.blob_dtype, device=device)
     cuda = torch.device(device).type == "cuda"
 
     def one_round() -> float:
@@ -84,8 +84,16 @@ def _time_grouped(store, device, tokens: int, n_experts: int = 16, repeats: int 
     pair_tokens = torch.arange(n * tokens, device=device)
     pair_slots = torch.arange(n, device=device).repeat_interleave(tokens)
 
+    # FP8 experts on the GPU: the fused kernels, which dequantise in their GEMMs (grouped_swiglu copies the pool
+    # dequantised first)
+    fused = _fused_swiglu() if store.fp8 and torch.device(device).type == "cuda" else None
+    out = torch.empty(pair_slots.shape[0], store.hidden, dtype=store.dtype, device=device)
+
     def call():
-        grouped_swiglu(x, pair_tokens, pair_slots, pool, store.hidden, store.intermediate)
+        if fused is not None:
+            fused(x, pair_slots, pool, store.hidden, store.intermediate, out)
+        else:
+            grouped_swiglu(x, pair_tokens, pair_slots, pool, store.hidden, store.intermediate)
 
     if torch.device(device).type != "cuda":
         call()                                  # warms up
@@ -124,6 +132,15 @@ def _replay_seconds(call, device, repeats: int, rounds: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fused_swiglu():
+    """The fused MoE kernels' entry point, None without Triton (an optional dependency)."""
+    try:
+        from ..kernels.triton_moe import fused_swiglu_pairs
+    except ImportError:
+        return None
+    return fused_swiglu_pairs
+
+
 def _time_mapped_read(store, device, n: int = 8, repeats: int = 10, rounds: int = 3) -> float:
     """Seconds a miss adds to the fused MoE kernels that read it from the store's pinned blobs (the mapped path, one
     token an expert): the kernels over 2n such experts less over n, per expert, each timed by graph replays
@@ -133,12 +150,11 @@ def _time_mapped_read(store, device, n: int = 8, repeats: int = 10, rounds: int 
     engine's forwards."""
     if torch.device(device).type != "cuda" or not store.pinned:
         return 0.0
-    try:
-        from ..kernels.triton_moe import fused_swiglu_pairs     # Triton: an optional dependency
-    except ImportError:
+    fused_swiglu_pairs = _fused_swiglu()
+    if fused_swiglu_pairs is None:
         return 0.0
     n = max(1, min(n, store.config.num_experts // 2))
-    pool = torch.empty(1, store.numel, dtype=store.dtype, device=device)   # no pair reads it
+    pool = torch.empty(1, store.numel, dtype=store.blob_dtype, device=device)   # no pair reads it
 
     def seconds(m: int) -> float:
         x = torch.randn(m, store.hidden, device=device).to(store.dtype)
@@ -208,7 +224,7 @@ def _cpu_slowdown_with_copies(store, kernel, device, h2d: float, alone_s: float,
     while len(busy) < ROUNDS and seconds <= 8.0:
         with _CopyLoad(store, device, h2d, seconds) as load:
             t = calibrate(kernel, store.hidden, store.intermediate, (4,), dtype=store.dtype, repeats=3,
-                          jobs_per_call=jobs)[4]
+                          jobs_per_call=jobs, expert_dtype=store.expert_dtype)[4]
         if load.outlasted:
             busy.append(t)
         else:
@@ -227,7 +243,8 @@ def _copy_slowdown_with_cpu(store, kernel, device, jobs: int, tokens: int = 4) -
     alone = _time_copies(store, device, n)
     esize = store.expert_bytes
     count = max(2 * jobs, math.ceil(2.5 * l3_bytes() / esize) + jobs)
-    _buf, blobs = make_cold_blobs(store.hidden, store.intermediate, count, store.dtype)
+    _buf, blobs = make_cold_blobs(store.hidden, store.intermediate, count, store.dtype,
+                                  expert_dtype=store.expert_dtype)
     P = tokens * jobs
     x = torch.randn(P, store.hidden).to(store.dtype)
     tok, offs = torch.arange(P, dtype=torch.int64), torch.arange(0, P + 1, tokens, dtype=torch.int64)
@@ -283,9 +300,10 @@ def measure(store, kernel, device, token_counts=(1, 2, 4, 8, 16, 32)) -> CostMod
     # time of such a call is the model's
     jobs = 8
     args = (kernel, store.hidden, store.intermediate)
-    back_to_back = min(call_overhead(*args, dtype=store.dtype, jobs=jobs, gap_s=0.0) for _ in range(ROUNDS))
-    call = min(call_overhead(*args, dtype=store.dtype, jobs=jobs) for _ in range(ROUNDS))
-    rounds = [calibrate(*args, token_counts, dtype=store.dtype, jobs_per_call=jobs) for _ in range(ROUNDS)]
+    blobs = dict(dtype=store.dtype, expert_dtype=store.expert_dtype)
+    back_to_back = min(call_overhead(*args, jobs=jobs, gap_s=0.0, **blobs) for _ in range(ROUNDS))
+    call = min(call_overhead(*args, jobs=jobs, **blobs) for _ in range(ROUNDS))
+    rounds = [calibrate(*args, token_counts, jobs_per_call=jobs, **blobs) for _ in range(ROUNDS)]
     cpu = monotone_in_tokens({t: max(s - back_to_back / jobs, 0.1 * s)
                               for t, s in ((t, min(r[t] for r in rounds)) for t in token_counts)})
     gpu = {t: _time_grouped(store, device, t) for t in token_counts}
@@ -311,7 +329,7 @@ def cache_key(store, kernel, device) -> str:
     text = "|".join(map(str, (COST_MODEL_VERSION, platform.processor(), platform.machine(), os.cpu_count(),
                               kernel.name, kernel.num_threads, sorted(getattr(kernel, "knobs", {}).items()),
                               store.hidden, store.intermediate, store.dtype,
-                              store.pinned, dev)))
+                              store.pinned, dev) + ((store.expert_dtype,) if store.fp8 else ())))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

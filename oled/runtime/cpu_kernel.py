@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import fp8
 from ..config import CPU_ISAS
 
 log = logging.getLogger("oled")
@@ -43,6 +44,8 @@ _TOKEN_COST_256THS = 8
 # keeps up (benchmarks/probes/CPU_KERNEL_NOTES.md).
 _AMX_MIN_TOKENS = 4
 ISAS = CPU_ISAS
+# a blob's weights as the library takes them (its W_F32, W_BF16, W_FP8): by the blob's dtype, uint8 an FP8 blob
+_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, fp8.BLOB: 2}
 
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -314,8 +317,9 @@ class CpuExpertKernel:
         """out[p] = down(silu(gate(x[token_idx[p]])) * up(x[token_idx[p]])) for the tokens of each job, fp32.
         Returns the kernel's own seconds (timed inside the library: not the caller's wait to run again after it).
 
-        x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down;
-        out [P,H] fp32. All contiguous CPU tensors.
+        x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down, in
+        bf16 or fp32, or FP8 blobs (uint8, oled/fp8.py: computed by the portable path); out [P,H] fp32. All
+        contiguous CPU tensors.
         """
         return self.submit(x, token_idx, job_offsets, blobs, intermediate, out).wait()
 
@@ -338,12 +342,12 @@ class CpuExpertKernel:
         if J == 0 or P == 0:
             return CpuJob.finished(0.0)
         wdtype = blobs[0].dtype
-        E = 3 * I * H
+        if wdtype not in _WEIGHT_FORMATS:
+            raise ValueError(f"unsupported blob dtype {wdtype}")
+        E = fp8.blob_bytes(H, I) if fp8.is_fp8_blob(blobs[0]) else 3 * I * H
         for b in blobs:
             if b.dtype != wdtype or b.numel() != E or not b.is_cpu or not b.is_contiguous():
-                raise ValueError(f"each blob must be a contiguous CPU tensor of 3*I*H={E} {wdtype}")
-        if wdtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"unsupported blob dtype {wdtype}")
+                raise ValueError(f"each blob must be a contiguous CPU tensor of {E} {wdtype}")
         if self._lib is None:
             t0 = time.perf_counter()
             _torch_run(x, token_idx, job_offsets, blobs, I, out)
@@ -351,7 +355,7 @@ class CpuExpertKernel:
         token_idx = token_idx.contiguous()
         job_offsets = job_offsets.contiguous()
         ptrs = (ctypes.c_int64 * J)(*[b.data_ptr() for b in blobs])
-        # fp32 blobs (the engine's CPU tests) go through the portable path
+        # fp32 blobs (the engine's CPU tests) and FP8 blobs go through the portable path
         mode = self._mode if wdtype == torch.bfloat16 else 0
         with self._lock:
             if self._pool is None:
@@ -359,7 +363,7 @@ class CpuExpertKernel:
             self._wait_locked()       # the batch before, if its caller has not waited for it
             rc = self._lib.oled_submit(
                 self._pool, mode, x.data_ptr(), int(x.dtype == torch.bfloat16), T, H, I, token_idx.data_ptr(), P,
-                job_offsets.data_ptr(), J, ctypes.addressof(ptrs), int(wdtype == torch.bfloat16), out.data_ptr(),
+                job_offsets.data_ptr(), J, ctypes.addressof(ptrs), _WEIGHT_FORMATS[wdtype], out.data_ptr(),
                 _TOKEN_COST_256THS, self.amx_min_tokens, self._chunks)
             if rc != 0:
                 raise ValueError(f"CPU expert kernel: {_RUN_ERRORS.get(rc, rc)}")
@@ -423,7 +427,7 @@ def _torch_run(x, token_idx, job_offsets, blobs, I, out) -> None:
         p0, p1 = offs[j], offs[j + 1]
         if p1 == p0:
             continue
-        w = b.float()
+        w = fp8.dequantise_blobs(b, H, I, torch.float32) if fp8.is_fp8_blob(b) else b.float()
         g, u, d = w[: I * H].view(I, H), w[I * H : 2 * I * H].view(I, H), w[2 * I * H :].view(H, I)
         xs = x[token_idx[p0:p1]].float()
         out[p0:p1] = F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), d)

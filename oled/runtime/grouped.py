@@ -4,19 +4,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import fp8
+
 
 def grouped_swiglu(x: torch.Tensor, pair_tokens: torch.Tensor, pair_slots: torch.Tensor, pool: torch.Tensor,
                    hidden: int, intermediate: int, slot_base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Compute expert(x[token]) for each (token, slot) pair whose slot is >= 0.
 
     x [T, H]; pair_tokens, pair_slots [P] int64; pool [S, 3*I*H] holds the blobs (gate | up | down) of slots
-    slot_base .. slot_base+S-1 (one layer's slots: the grouped GEMM takes at most 1024 groups on CUDA).
+    slot_base .. slot_base+S-1 (one layer's slots: the grouped GEMM takes at most 1024 groups on CUDA); or FP8
+    blobs [S, fp8.blob_bytes], dequantised to x's dtype first (the reference the fused kernels' FP8 path equals).
     Returns (order, y): y[j] is the output of pair order[j] for j < number of valid pairs; rows past that are
     unspecified. Pairs are grouped by slot with a stable sort, so each expert sees its tokens in routing order and
     the result of a pair does not depend on which other experts are active or where its slot is.
     """
     n_slots = pool.shape[0]
     H, I = hidden, intermediate
+    if fp8.is_fp8_blob(pool):
+        pool = fp8.dequantise_blobs(pool, H, I, x.dtype)
     key = torch.where(pair_slots >= 0, pair_slots - slot_base, n_slots)
     order = torch.argsort(key, stable=True)
     # scatter_add rather than bincount: bincount on CUDA reads the maximum back to the host (a sync per layer)

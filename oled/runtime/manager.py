@@ -70,7 +70,7 @@ class ExpertManager:
         self.store, self.policy, self.device = store, policy, torch.device(device)
         self.config, self.layers, self.layer_pos = store.config, store.layers, store.layer_pos
         self.hidden, self.inter = store.hidden, store.intermediate
-        self.cache = ExpertCache(self.layers, budget, store.numel, store.dtype, self.device,
+        self.cache = ExpertCache(self.layers, budget, store.numel, store.blob_dtype, self.device,
                                  self.config.num_experts)
         self.stats = RunStats()
         self.sections = Sections(timer)
