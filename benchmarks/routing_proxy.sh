@@ -24,7 +24,11 @@
 #                SHORT_GEN tokens (the device returns files of 16 MiB at most)
 #   DEADLINE_S   seconds from the start by which everything has ended: the threshold sweep and the traces are cut
 #                to the time left but STATS_S, which the statistics and packing keep
+#   GRID_AFTER   with time left after the statistics: the policy grid on the new chat trace at LLaDA2.0-mini's
+#                shapes (`oled bench --routing`, GRID_POLICIES at GRID_BUDGETS, the first GRID_PROMPTS requests,
+#                with the bound rows), its result lines as routing-grid-results.jsonl (default on)
 # Results in $OUT (8 files at most): proxy-{chat,math,code}.trace, threshold.json (the sweep and the choice),
+# routing-grid-results.jsonl (GRID_AFTER),
 # proxy_metrics.txt (the statistics) and proxy-results.tgz (training log and config, logs, metrics JSON, the traces'
 # locality reports), packed again after every stage so that a cut run still returns what it did.
 set -uo pipefail
@@ -94,4 +98,11 @@ pack
 for t in $OUT/proxy-*.trace; do     # the locality reports, while time is left (`oled trace --report` prints them)
   timeout $(left 5) python3 -m oled.cli trace --report $t > $R/$(basename $t .trace).locality.txt 2>&1
 done
+if [ "${GRID_AFTER:-1}" = 1 ] && [ -f $OUT/proxy-chat.trace ] && [ $(left 0) -gt 60 ]; then
+  timeout $(left 5) python3 -m oled.cli bench --routing $OUT/proxy-chat.trace --random-weights llada2-mini \
+    --policies ${GRID_POLICIES:-full,lru,lfu,tide,oled,oled-retain} --budgets ${GRID_BUDGETS:-1.0,0.4,0.25} \
+    --prompts ${GRID_PROMPTS:-1} --repeats 1 --warmup 1 --no-profile --no-progress --out $R/routing-grid \
+    > $R/routing-grid.log 2>&1; echo "routing grid rc=$? at $(elapsed) s"; tail -3 $R/routing-grid.log
+  cp $R/routing-grid/results.jsonl $OUT/routing-grid-results.jsonl 2>/dev/null
+fi
 echo "done at $(elapsed) s"; pack; ls -la $OUT
