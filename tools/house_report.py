@@ -25,7 +25,7 @@ TOP = 5
 # prefix names a package or a module; the longest matching prefix decides. The package root `oled` (its version and
 # public re-exports) is no layer and may be imported from anywhere.
 LAYERS = (
-    ("base", ("oled.config", "oled.env", "oled.textfile", "oled.tokenizer", "oled.bounds")),
+    ("base", ("oled.config", "oled.env", "oled.textfile", "oled.tokenizer", "oled.bounds", "oled.fp8")),
     ("kernels", ("oled.kernels",)),
     ("models", ("oled.models",)),
     ("policies", ("oled.policies",)),
