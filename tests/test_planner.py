@@ -165,7 +165,7 @@ def test_copy_time_outlasts_a_slow_start_and_takes_every_layer(monkeypatch):
         asked.append((layer, expert))
         return torch.zeros(8)
 
-    store = SimpleNamespace(layers=[3, 5, 7], numel=8, dtype=torch.float32, blob=blob,
+    store = SimpleNamespace(layers=[3, 5, 7], numel=8, dtype=torch.float32, blob_dtype=torch.float32, blob=blob,
                             config=SimpleNamespace(num_experts=4))
     seconds = cost_model._time_copies(store, "cpu", 7, min_rounds=5, min_seconds=0.0)
     assert seconds == pytest.approx(0.001)  # round 6, the first fast one: the old three rounds would have read 0.02
