@@ -9,6 +9,7 @@ replays a trace's layer runs through least-recently-used retention under three d
             its FLOOR: the experts its last timed run needed (`last`) or their mean over the block (`mean`)
   global    one pool, evicting the resident (of any layer, not needed by the run) with the most runs of its own layer
             since its last use (recency measured per layer, so the layers' cyclic order does not decide)
+and belady's fewest misses with each budget split evenly and as one pool (oled/bounds.py).
 Misses: experts a timed run (a denoising iteration) needs that are not resident, per iteration, as the grids count.
 
     python3 benchmarks/probes/shared_pool_probe.py benchmarks/traces/proxy-chat.trace --budgets 0.6,0.4,0.25
@@ -19,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from oled.bounds import Demand
+from oled.bounds import Demand, belady
 from oled.runtime.budget import parse_budget
 from oled.trace import Trace
 
@@ -125,13 +126,16 @@ def main(argv=None) -> int:
     demand = Demand.from_trace(trace)
     model = trace.header["model"]
     print("misses an iteration, least-recently-used retention")
-    print(f"{'budget':>7s} {'even':>8s} {'ucp/last':>9s} {'ucp/mean':>9s} {'global':>8s}")
+    print(f"{'budget':>7s} {'even':>8s} {'ucp/last':>9s} {'ucp/mean':>9s} {'global':>8s}   belady: {'even':>6s} "
+          f"{'shared':>6s}")
     for budget in args.budgets.split(","):
         slots = parse_budget(budget, num_layers=len(demand.layers), num_experts=model["num_experts"],
                              expert_bytes=model["expert_bytes"]).slots_per_layer
         row = [replay(trace, demand, slots, "even"), replay(trace, demand, slots, "ucp", "last"),
                replay(trace, demand, slots, "ucp", "mean"), replay(trace, demand, slots, "global")]
-        print(f"{budget:>7s} " + " ".join(f"{m:8.1f}" if k != 1 and k != 2 else f"{m:9.1f}" for k, m in enumerate(row)))
+        bound = [belady(demand, slots).misses(demand), belady(demand, slots * len(demand.layers), "shared").misses(demand)]
+        print(f"{budget:>7s} {row[0]:8.1f} {row[1]:9.1f} {row[2]:9.1f} {row[3]:8.1f}           "
+              + " ".join(f"{m / max(demand.iterations, 1):6.2f}" for m in bound))
     return 0
 
 
