@@ -17,6 +17,7 @@ import sys
 from ..bench.runner import parse_list
 from ..bench.workloads import Prompt, Workload, load
 from ..engine import Engine
+from ..policies.retention_model import fit as fit_retention
 from ..policies.reuse import calibrate
 from ..trace import Trace, format_locality, locality, record_trace, replay
 from ..trace.predictor import format_predictor_report, predictor_report
@@ -75,6 +76,10 @@ def add_parser(sub) -> None:
     p.add_argument("--calibrate-reuse", metavar="FILE",
                    help="measure the reuse probabilities OLED's predictor uses on this trace and write them (JSON, "
                         "for --policy oled:calibration=FILE)")
+    p.add_argument("--fit-retention", metavar="FILE",
+                   help="fit OLED's learned retention score on the --report traces (least squares of how soon each "
+                        "expert is used again on its layer's routing history) and write it (JSON, for --policy "
+                        "oled:retention=learned,retention_model=FILE)")
     add_engine_args(p)
     add_decode_args(p)
     p.set_defaults(gen_length=64)
@@ -88,6 +93,12 @@ def run(args) -> int:
         reports = [_reports(_record(args), args)]
     else:
         traces = [Trace.load(path) for path in args.report]
+        if args.fit_retention:
+            model = fit_retention(traces, [str(path) for path in args.report])
+            with open(args.fit_retention, "w") as f:
+                f.write(model.to_json() + "\n")
+            print(f"wrote {args.fit_retention} ({model.provenance['samples']} samples)", file=sys.stderr)
+            return 0
         if args.first is not None:
             traces = [traces[0].first_requests(args.first)]
             if args.out:
@@ -107,8 +118,12 @@ def run(args) -> int:
 def _check(args) -> None:
     """Usage errors, before any trace is read or model loaded."""
     several = args.report is not None and len(args.report) > 1
-    if args.report is None and (args.first is not None or args.markdown or args.subreport):
-        raise ValueError("--first, --markdown and the sub-reports read an existing trace: give --report TRACE")
+    if args.report is None and (args.first is not None or args.markdown or args.subreport or args.fit_retention):
+        raise ValueError("--first, --markdown, --fit-retention and the sub-reports read an existing trace: give "
+                         "--report TRACE")
+    if args.fit_retention and (args.first is not None or args.markdown or args.subreport or args.predictor
+                               or args.out or args.calibrate_reuse or args.json):
+        raise ValueError("--fit-retention writes the model only: not with another report or output")
     if args.report is not None and args.runner_ups:
         raise ValueError("--runner-ups records with the model's own router: it takes no --report TRACE")
     if args.report is None and not args.runner_ups and not args.out:

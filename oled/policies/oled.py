@@ -7,7 +7,9 @@ confidence say whether its routing will repeat (policies/reuse.py). So instead o
      and, at a block boundary, the first-iteration mask routing of the block just done.
   2. Retention (`retention=reuse`): when a slot is needed, evict the resident expert with the lowest score (ties:
      least recently used); the experts the current layer needs go last, and the runtime never evicts one the wave
-     being served needs. No speculative loads.
+     being served needs. No speculative loads. `retention=learned` ranks by a linear model of the layer's routing
+     history fitted on traces to how soon each expert is used again (policies/retention_model.py;
+     `retention_model=FILE` from `oled trace --fit-retention`, else the one shipped).
   3. Cooperative misses (`misses=cooperative`): per layer the planner (runtime/planner.py) splits the misses
      between loading and the CPU, minimising the layer's makespan minus the reuse credit of each load, plus the
      predicted value of what each load evicts. With p = P(some position routed to the miss now routes to it next
@@ -28,17 +30,18 @@ import numpy as np
 
 from .base import EvictionOrder, LayerDecision, LayerEvent, member_mask
 from .lru import LRUPolicy
+from .retention_model import RetentionFeatures, RetentionModel
 from .reuse import WEIGHTINGS, ReuseCalibration, ReusePredictor
 
-RETENTIONS = ("reuse", "lru")
+RETENTIONS = ("reuse", "lru", "learned")
 
 
 class OledPolicy(LRUPolicy):
     name = "oled"
-    options = ("misses", "retention", "decay", "weighting", "calibration", "horizon", "waves")
+    options = ("misses", "retention", "decay", "weighting", "calibration", "horizon", "waves", "retention_model")
 
     def __init__(self, misses: str = "cooperative", retention: str = "reuse", decay: float = 0.0,
-                 weighting: str = "count", calibration=None, horizon: float = 8.0, waves=0):
+                 weighting: str = "count", calibration=None, horizon: float = 8.0, waves=0, retention_model=None):
         super().__init__(misses=misses)
         if retention not in RETENTIONS:
             raise ValueError(f"policy {self.name!r}: retention must be one of {', '.join(RETENTIONS)}, "
@@ -59,19 +62,28 @@ class OledPolicy(LRUPolicy):
         self.retention, self.decay, self.weighting, self.horizon = retention, decay, weighting, horizon
         self.waves = str(waves) in ("1", "True")
         self.calibration = ReuseCalibration.load(calibration)
+        self.retention_model = RetentionModel.load(retention_model) if retention == "learned" else None
 
     def setup(self, ctx):
         super().setup(ctx)
         self.predictor = ReusePredictor(ctx.layers, ctx.num_experts, self.calibration, decay=self.decay,
                                         weighting=self.weighting)
+        self.features = (RetentionFeatures(ctx.layers, ctx.num_experts) if self.retention_model is not None
+                         else None)
+        self.requests = 0           # the block key of the learned retention's features: (request, block start)
+        self.block_start = 0
 
     # ------------------------------------------------------------------------------------------------ events
     def on_request_start(self):
         super().on_request_start()
         self.predictor.reset()
+        self.requests += 1
+        if self.features is not None:
+            self.features.reset()
 
     def on_forward(self, info):
         self.predictor.on_forward(info)
+        self.block_start = info.block_start
 
     def on_iteration(self, event):
         super().on_iteration(event)
@@ -81,6 +93,9 @@ class OledPolicy(LRUPolicy):
         layer = event.layer
         self.touch(layer)
         self.predictor.observe(layer, event.ids, event.weights)
+        if self.features is not None:
+            tokens = np.bincount(event.ids.reshape(-1), minlength=self.ctx.num_experts)[event.demand_ids]
+            self.features.observe(layer, event.demand_ids, tokens, (self.requests, self.block_start))
         # one order for the planner's eviction losses and the runtime's evictions (misses sent to the CPU are never
         # resident, so listing them too changes nothing)
         order = self.eviction_order(layer, event.resident_ids, event.misses, needed=event.demand_ids)
@@ -93,7 +108,12 @@ class OledPolicy(LRUPolicy):
         """By (needed now, score, last use, id); needed: the layer's routed ids (or any collection of experts)."""
         if self.retention == "lru":
             return super().eviction_order(layer, resident, extra)
-        score, last = self.predictor.layer_scores(layer), self.last_use[layer]
+        last = self.last_use[layer]
+        if self.retention == "learned":     # the model's score of the layer's experts, computed when a slot is needed
+            return EvictionOrder.by_keys(resident, lambda cand: (
+                last[cand], self.retention_model.score(self.features.matrix(layer))[cand],
+                member_mask(len(last), needed)[cand]), extra)
+        score = self.predictor.layer_scores(layer)
         return EvictionOrder.by_keys(
             resident, lambda cand: (last[cand], score[cand], member_mask(len(last), needed)[cand]), extra)
 
