@@ -277,7 +277,8 @@ def value_options(parser):
 # options whose absence only means "not used" (an input or output that is not there): nothing to state
 NOT_GIVEN_IS_NOTHING = {"--model", "--out", "--report", "--json", "--first", "--calibrate-reuse", "--cost-model",
                         "--replay", "--routing", "--render", "--breakdown", "--system", "--prompts-file",
-                        "--workload", "--misses", "--served-model-name", "--api-key", "--corpus", "--runner-ups"}
+                        "--workload", "--misses", "--served-model-name", "--api-key", "--corpus", "--runner-ups",
+                        "--fit-retention"}
 
 
 def test_every_option_states_its_default():
