@@ -7,6 +7,7 @@ background thread streams pinned host->device copies, reporting both sides' GB/s
 
     python benchmarks/probes/cpu_kernel_bench.py --out cpu_kernel.json           # on the GPU host
     python benchmarks/probes/cpu_kernel_bench.py --quick                          # smoke check anywhere
+    python benchmarks/probes/cpu_kernel_bench.py --quick --expert-dtype fp8       # FP8 blobs (no torch baseline)
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import time
 
 import torch
 
-from oled.env import cpu_model
 import torch.nn.functional as F
+
+from oled import fp8
+from oled.env import cpu_model
 
 from oled.runtime.cpu_calibration import make_cold_blobs
 from oled.runtime.cpu_kernel import CpuExpertKernel, l3_bytes
@@ -43,10 +46,10 @@ def torch_swiglu(x, tok, offs, blobs, I, out):
 class Pool:
     """Cold blobs cycled `jobs` at a time."""
 
-    def __init__(self, H, I, gib, jobs):
-        esize = 3 * H * I * 2
+    def __init__(self, H, I, gib, jobs, expert_dtype="bf16"):
+        esize = fp8.blob_bytes(H, I) if expert_dtype == "fp8" else 3 * H * I * 2
         n = max(int(gib * 2**30 // esize), math.ceil(2.5 * l3_bytes() / esize) + jobs, 2 * jobs)
-        self.buf, self.blobs = make_cold_blobs(H, I, n)
+        self.buf, self.blobs = make_cold_blobs(H, I, n, expert_dtype=expert_dtype)
         self.n, self.jobs, self.cursor, self.esize = n, jobs, 0, esize
 
     def next(self):
@@ -118,7 +121,11 @@ def main():
     ap.add_argument("--dram-gbs", type=float, default=82.0, help="reference DRAM read bandwidth")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     ap.add_argument("--portable", action="store_true", help="benchmark the portable path")
+    ap.add_argument("--expert-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the blobs' dtype (fp8: oled/fp8.py's blobs; no torch baseline)")
     args = ap.parse_args()
+    if args.expert_dtype == "fp8":
+        args.no_torch = True
 
     if args.quick:
         shapes = args.shapes or "mini"
@@ -134,6 +141,7 @@ def main():
     meta = dict(kernel=kernel.name, threads=kernel.num_threads, cpus=kernel.cpus, torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, machine=platform.machine(), processor=cpu_model(), l3_bytes=l3_bytes(),
                 jobs_per_call=args.jobs, dram_gbs=args.dram_gbs, cuda=cuda, quick=args.quick,
+                expert_dtype=args.expert_dtype,
                 measured_read_gbs=dram, prefetch=kernel.knobs["prefetch"])
     print(f"# kernel={kernel.name} threads={kernel.num_threads} torch_threads={torch.get_num_threads()} "
           f"cpu={meta['processor']} jobs/call={args.jobs} cuda={cuda}")
@@ -153,7 +161,7 @@ def main():
     print("-" * len(hdr))
     for shape in shapes.split(","):
         H, I = SHAPES[shape]
-        pool = Pool(H, I, args.pool_gib, args.jobs)
+        pool = Pool(H, I, args.pool_gib, args.jobs, args.expert_dtype)
         gb = pool.esize / 1e9
         # token counts per job; "skew": one expert with 32 tokens, the others with 1 (per-expert time = call / jobs)
         for nt in tokens + ["skew"]:

@@ -25,7 +25,9 @@
  *
  * FP8 blobs (oled/fp8.py): gate | up | down in e4m3 bytes, then one fp32 scale per output row (gate's I, up's I,
  * down's H). A row's dot product sums the e4m3 values (exact in fp32) times the tokens, and its sum is multiplied by
- * the row's scale: a power of two, so the result is the bits of the same sum over the dequantised weights.
+ * the row's scale: a power of two, so the result is the bits of the same sum over the dequantised weights. The
+ * avx512_bf16 path widens the e4m3 bytes to bf16 in registers (exact) and runs its bf16 tiles: the bits of that path
+ * over the weights dequantised to bf16; the AMX path takes no FP8 (its jobs run on the avx512_bf16 tiles).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -448,14 +450,39 @@ FAST_INLINE __m512bh ld_bf16_tail(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
 }
 
+/* 32 e4m3 bytes -> 32 bf16, exactly: a normal (exponent e > 0) is sign | (e + 120) << 7 | mantissa << 4, a
+ * subnormal (e = 0) mantissa * 2^-9 from a table of eight, 0x7f / 0xff (NaN) a quiet NaN. */
+static const uint16_t fp8_subnormal_bf16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+FAST_INLINE __m512bh fp8_to_bf16(__m256i bytes) {
+    __m512i v = _mm512_cvtepu8_epi16(bytes);
+    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
+    __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      _mm512_loadu_si512((const void *)fp8_subnormal_bf16));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+    return (__m512bh)_mm512_or_si512(r, sign);
+}
+
+/* Weights of a tile: bf16, or e4m3 bytes widened to bf16 (FP8: a compile-time constant of the instantiation). */
+FAST_INLINE const char *w_at(const int FP8, const void *w, int64_t i) { return (const char *)w + i * (FP8 ? 1 : 2); }
+FAST_INLINE __m512bh ld_w(const int FP8, const void *w, int64_t i) {
+    return FP8 ? fp8_to_bf16(_mm256_loadu_si256((const __m256i *)w_at(1, w, i))) : ld_bf16((const uint16_t *)w + i);
+}
+FAST_INLINE __m512bh ld_w_tail(const int FP8, const void *w, int64_t i, __mmask32 m) {
+    return FP8 ? fp8_to_bf16(_mm256_maskz_loadu_epi8(m, w_at(1, w, i))) : ld_bf16_tail((const uint16_t *)w + i, m);
+}
+
 /* Software prefetch of the next row tile (into L2): each 4 KiB row is its own page for H=2048, and the hardware
  * streamers restart at every page, so asking early keeps more DRAM requests in flight per core. */
 #define PF_L2(ptr) _mm_prefetch((const char *)(ptr), _MM_HINT_T1)
 
 /* Phase-1 tile: R consecutive gate rows and the same R up rows, times N tokens (2*R*N <= 16 accumulators).
- * Weights stream from DRAM once; the tokens stay in L1/L2. Writes act[t][r] = silu(g) * u in bf16. */
-FAST_INLINE void gu_tile(const int R, const int N, const uint16_t *g, const uint16_t *u, int64_t K,
-                         const uint16_t *x, int64_t xs, uint16_t *act, int64_t as, int pf) {
+ * Weights stream from DRAM once; the tokens stay in L1/L2. Writes act[t][r] = silu(g) * u in bf16. FP8: the
+ * weights are e4m3 bytes and each row's sums are multiplied by its scale (gs, us: the tile's rows' scales). */
+FAST_INLINE void gu_tile(const int R, const int N, const int FP8, const void *g, const void *u, int64_t K,
+                         const uint16_t *x, int64_t xs, uint16_t *act, int64_t as, int pf, const float *gs,
+                         const float *us) {
     __m512 ag[8][8], au[8][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -468,8 +495,8 @@ FAST_INLINE void gu_tile(const int R, const int N, const uint16_t *g, const uint
         for (int i = 0; i < N; i++) xv[i] = ld_bf16(x + i * xs + k);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m512bh wg = ld_bf16(g + r * K + k), wu = ld_bf16(u + r * K + k);
-            if (pf) { PF_L2(g + (r + R) * K + k); PF_L2(u + (r + R) * K + k); }
+            __m512bh wg = ld_w(FP8, g, r * K + k), wu = ld_w(FP8, u, r * K + k);
+            if (pf) { PF_L2(w_at(FP8, g, (r + R) * K + k)); PF_L2(w_at(FP8, u, (r + R) * K + k)); }
 #pragma GCC unroll 8
             for (int i = 0; i < N; i++) {
                 ag[r][i] = _mm512_dpbf16_ps(ag[r][i], wg, xv[i]);
@@ -484,7 +511,7 @@ FAST_INLINE void gu_tile(const int R, const int N, const uint16_t *g, const uint
         for (int i = 0; i < N; i++) xv[i] = ld_bf16_tail(x + i * xs + k, m);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m512bh wg = ld_bf16_tail(g + r * K + k, m), wu = ld_bf16_tail(u + r * K + k, m);
+            __m512bh wg = ld_w_tail(FP8, g, r * K + k, m), wu = ld_w_tail(FP8, u, r * K + k, m);
 #pragma GCC unroll 8
             for (int i = 0; i < N; i++) {
                 ag[r][i] = _mm512_dpbf16_ps(ag[r][i], wg, xv[i]);
@@ -501,6 +528,16 @@ FAST_INLINE void gu_tile(const int R, const int N, const uint16_t *g, const uint
 #pragma GCC unroll 8
         for (int i = 0; i < N; i++) { v[r * N + i] = ag[r][i]; v[8 + r * N + i] = au[r][i]; }
     __m512 s = reduce16(v);
+    if (FP8) {
+        float sc[16];
+#pragma GCC unroll 16
+        for (int a = 0; a < 16; a++) sc[a] = 1.f;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < N; i++) { sc[r * N + i] = gs[r]; sc[8 + r * N + i] = us[r]; }
+        s = _mm512_mul_ps(s, _mm512_loadu_ps(sc));
+    }
     __m512 up = _mm512_shuffle_f32x4(s, s, 0xEE); /* up sums to lanes 0..7 */
     __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), s))));
     __m512 h = _mm512_mul_ps(_mm512_mul_ps(s, sig), up);
@@ -512,9 +549,10 @@ FAST_INLINE void gu_tile(const int R, const int N, const uint16_t *g, const uint
         for (int i = 0; i < N; i++) act[i * as + r] = hb[r * N + i];
 }
 
-/* Phase-2 tile: R consecutive down rows times N tokens (R*N <= 16); writes out[t][r] (fp32). */
-FAST_INLINE void down_tile(const int R, const int N, const uint16_t *d, int64_t K, const uint16_t *x, int64_t xs,
-                           float *out, int64_t os, int pf) {
+/* Phase-2 tile: R consecutive down rows times N tokens (R*N <= 16); writes out[t][r] (fp32). FP8: e4m3 rows,
+ * their sums times their scales (ds). */
+FAST_INLINE void down_tile(const int R, const int N, const int FP8, const void *d, int64_t K, const uint16_t *x,
+                           int64_t xs, float *out, int64_t os, int pf, const float *ds) {
     __m512 acc[16][8];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
@@ -527,8 +565,8 @@ FAST_INLINE void down_tile(const int R, const int N, const uint16_t *d, int64_t 
         for (int i = 0; i < N; i++) xv[i] = ld_bf16(x + i * xs + k);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            __m512bh w = ld_bf16(d + r * K + k);
-            if (pf) PF_L2(d + (r + R) * K + k);
+            __m512bh w = ld_w(FP8, d, r * K + k);
+            if (pf) PF_L2(w_at(FP8, d, (r + R) * K + k));
 #pragma GCC unroll 8
             for (int i = 0; i < N; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w, xv[i]);
         }
@@ -540,7 +578,7 @@ FAST_INLINE void down_tile(const int R, const int N, const uint16_t *d, int64_t 
         for (int i = 0; i < N; i++) xv[i] = ld_bf16_tail(x + i * xs + k, m);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            __m512bh w = ld_bf16_tail(d + r * K + k, m);
+            __m512bh w = ld_w_tail(FP8, d, r * K + k, m);
 #pragma GCC unroll 8
             for (int i = 0; i < N; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w, xv[i]);
         }
@@ -557,14 +595,17 @@ FAST_INLINE void down_tile(const int R, const int N, const uint16_t *d, int64_t 
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int i = 0; i < N; i++) out[i * os + r] = s[r * N + i];
+        for (int i = 0; i < N; i++) out[i * os + r] = FP8 ? s[r * N + i] * ds[r] : s[r * N + i];
 }
 
 /* Instantiate the tiles with compile-time R, N so the accumulators live in registers. */
 #define GU_CASE(R, N) \
-    case (R) * 16 + (N): gu_tile(R, N, g, u, K, x, xs, act, as, pf); return;
-FAST static void gu_tile_dispatch(int R, int N, const uint16_t *g, const uint16_t *u, int64_t K, const uint16_t *x,
-                                  int64_t xs, uint16_t *act, int64_t as, int pf) {
+    case (R) * 16 + (N): \
+        if (fp8) gu_tile(R, N, 1, g, u, K, x, xs, act, as, pf, gs, us); \
+        else gu_tile(R, N, 0, g, u, K, x, xs, act, as, pf, gs, us); \
+        return;
+FAST static void gu_tile_dispatch(int R, int N, int fp8, const void *g, const void *u, int64_t K, const uint16_t *x,
+                                  int64_t xs, uint16_t *act, int64_t as, int pf, const float *gs, const float *us) {
     switch (R * 16 + N) {
         GU_CASE(1, 1) GU_CASE(1, 2) GU_CASE(1, 3) GU_CASE(1, 4) GU_CASE(1, 5) GU_CASE(1, 6) GU_CASE(1, 7)
         GU_CASE(1, 8) GU_CASE(2, 1) GU_CASE(2, 2) GU_CASE(2, 3) GU_CASE(2, 4) GU_CASE(4, 1) GU_CASE(4, 2)
@@ -572,9 +613,12 @@ FAST static void gu_tile_dispatch(int R, int N, const uint16_t *g, const uint16_
     }
 }
 #define DOWN_CASE(R, N) \
-    case (R) * 16 + (N): down_tile(R, N, d, K, x, xs, out, os, pf); return;
-FAST static void down_tile_dispatch(int R, int N, const uint16_t *d, int64_t K, const uint16_t *x, int64_t xs,
-                                    float *out, int64_t os, int pf) {
+    case (R) * 16 + (N): \
+        if (fp8) down_tile(R, N, 1, d, K, x, xs, out, os, pf, ds); \
+        else down_tile(R, N, 0, d, K, x, xs, out, os, pf, ds); \
+        return;
+FAST static void down_tile_dispatch(int R, int N, int fp8, const void *d, int64_t K, const uint16_t *x, int64_t xs,
+                                    float *out, int64_t os, int pf, const float *ds) {
     switch (R * 16 + N) {
         DOWN_CASE(1, 1) DOWN_CASE(1, 2) DOWN_CASE(1, 3) DOWN_CASE(1, 4) DOWN_CASE(1, 5) DOWN_CASE(1, 6)
         DOWN_CASE(1, 7) DOWN_CASE(1, 8) DOWN_CASE(2, 1) DOWN_CASE(2, 2) DOWN_CASE(2, 3) DOWN_CASE(2, 4)
@@ -602,7 +646,10 @@ static inline ttiles_t token_tiles(int64_t n) {
 
 FAST static void gu_seg_fast(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
     int64_t H = t->H, I = t->I, p0 = t->off[j], n = t->off[j + 1] - p0;
-    const uint16_t *g = (const uint16_t *)(intptr_t)t->blobs[j], *u = g + I * H;
+    const int fp8 = t->w_fmt == W_FP8;
+    const int64_t es = (int64_t)weight_size(t->w_fmt);
+    const char *g = (const char *)(intptr_t)t->blobs[j], *u = g + I * H * es;
+    const float *sc = fp8 ? blob_scales(t, g) : NULL; /* gate's I, then up's I */
     const uint16_t *x = (const uint16_t *)t->xs + p0 * t->xs_stride;
     uint16_t *act = (uint16_t *)t->act + p0 * t->act_stride;
     ttiles_t tt = token_tiles(n);
@@ -612,8 +659,9 @@ FAST static void gu_seg_fast(const task_t *t, int64_t j, int64_t r0, int64_t r1)
         int pf = g_prefetch && r + 2 * rr <= r1;
         for (int ti = 0, i0 = 0; ti < tt.ntile; ti++) {
             int nb = (int)(n / tt.ntile) + (ti < n % tt.ntile); /* balanced tiles */
-            gu_tile_dispatch(rr, nb, g + r * H, u + r * H, H, x + i0 * t->xs_stride, t->xs_stride,
-                             act + i0 * t->act_stride + r, t->act_stride, pf && i0 == 0);
+            gu_tile_dispatch(rr, nb, fp8, g + r * H * es, u + r * H * es, H, x + i0 * t->xs_stride, t->xs_stride,
+                             act + i0 * t->act_stride + r, t->act_stride, pf && i0 == 0, fp8 ? sc + r : NULL,
+                             fp8 ? sc + I + r : NULL);
             i0 += nb;
         }
         r += rr;
@@ -622,7 +670,10 @@ FAST static void gu_seg_fast(const task_t *t, int64_t j, int64_t r0, int64_t r1)
 
 FAST static void down_seg_fast(const task_t *t, int64_t j, int64_t r0, int64_t r1) {
     int64_t H = t->H, I = t->I, p0 = t->off[j], n = t->off[j + 1] - p0;
-    const uint16_t *d = (const uint16_t *)(intptr_t)t->blobs[j] + 2 * I * H;
+    const int fp8 = t->w_fmt == W_FP8;
+    const int64_t es = (int64_t)weight_size(t->w_fmt);
+    const char *blob = (const char *)(intptr_t)t->blobs[j], *d = blob + 2 * I * H * es;
+    const float *sc = fp8 ? blob_scales(t, blob) + 2 * I : NULL; /* down's H */
     const uint16_t *x = (const uint16_t *)t->act + p0 * t->act_stride;
     float *out = t->out + p0 * H;
     ttiles_t tt = token_tiles(n);
@@ -632,8 +683,8 @@ FAST static void down_seg_fast(const task_t *t, int64_t j, int64_t r0, int64_t r
         int pf = g_prefetch && r + 2 * rr <= r1;
         for (int ti = 0, i0 = 0; ti < tt.ntile; ti++) {
             int nb = (int)(n / tt.ntile) + (ti < n % tt.ntile);
-            down_tile_dispatch(rr, nb, d + r * I, I, x + i0 * t->act_stride, t->act_stride, out + i0 * H + r, H,
-                               pf && i0 == 0);
+            down_tile_dispatch(rr, nb, fp8, d + r * I * es, I, x + i0 * t->act_stride, t->act_stride,
+                               out + i0 * H + r, H, pf && i0 == 0, fp8 ? sc + r : NULL);
             i0 += nb;
         }
         r += rr;
@@ -1029,7 +1080,7 @@ int oled_submit(void *handle, int mode, const void *x, int x_bf16, int64_t T, in
     for (int64_t i = 0; i < P; i++)
         if (tok[i] < 0 || tok[i] >= T) return -2;
     if (w_fmt < W_F32 || w_fmt > W_FP8) return -1;
-    if (mode == MODE_AVX512BF16 && (!OLED_FAST || w_fmt != W_BF16)) return -4;
+    if (mode == MODE_AVX512BF16 && (!OLED_FAST || (w_fmt != W_BF16 && w_fmt != W_FP8))) return -4;
     if (mode == MODE_AMX && (!OLED_AMX || w_fmt != W_BF16)) return -4;
     if (mode == MODE_AMX && (H % 32 || I % 32 || amx_min < 1)) mode = MODE_AVX512BF16;
 

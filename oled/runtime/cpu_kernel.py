@@ -318,7 +318,7 @@ class CpuExpertKernel:
         Returns the kernel's own seconds (timed inside the library: not the caller's wait to run again after it).
 
         x [T,H] bf16/fp32; token_idx [P] int64; job_offsets [J+1] int64; blobs: J 1-D tensors gate|up|down, in
-        bf16 or fp32, or FP8 blobs (uint8, oled/fp8.py: computed by the portable path); out [P,H] fp32. All
+        bf16 or fp32, or FP8 blobs (uint8, oled/fp8.py; AVX-512 BF16 where present, not AMX); out [P,H] fp32. All
         contiguous CPU tensors.
         """
         return self.submit(x, token_idx, job_offsets, blobs, intermediate, out).wait()
@@ -355,8 +355,9 @@ class CpuExpertKernel:
         token_idx = token_idx.contiguous()
         job_offsets = job_offsets.contiguous()
         ptrs = (ctypes.c_int64 * J)(*[b.data_ptr() for b in blobs])
-        # fp32 blobs (the engine's CPU tests) and FP8 blobs go through the portable path
-        mode = self._mode if wdtype == torch.bfloat16 else 0
+        # fp32 blobs (the engine's CPU tests) go through the portable path; FP8 blobs through AVX-512 BF16 (their
+        # e4m3 bytes widened to bf16 in registers) where the kernel has it, never AMX
+        mode = self._mode if wdtype == torch.bfloat16 else min(self._mode, 1) if wdtype == fp8.BLOB else 0
         with self._lock:
             if self._pool is None:
                 raise RuntimeError("kernel closed")
