@@ -68,7 +68,7 @@ from types import SimpleNamespace
 
 import torch
 
-CASES = ("router", "confidence", "moe", "norm", "attention", "mapped", "linear")
+CASES = ("router", "confidence", "moe", "moe-fp8", "norm", "attention", "mapped", "linear")
 PEAK_GBPS = 4300.0                  # the H200 HBM figure this project compares against (--peak-gbps to change)
 ROUTER = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)     # LLaDA2.0-mini / flash
 ROUTER_TOKENS = (32, 256, 2048)
@@ -398,6 +398,46 @@ def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN
             "peak_gbps": peak_gbps, "floor_us": weight_bytes / (peak_gbps * 1e9) * 1e6,
             "fused_fraction_of_peak": gbps(weight_bytes, fused_us) / peak_gbps,
             "torch": counter(reference, args[0]), "fused": counter(fused, args[0]), "check": check}
+
+
+def moe_fp8_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN, inter=MOE_INTER,
+                 top_k=MOE_TOP_K, tiles=None, copies=2, seed=0, peak_gbps=PEAK_GBPS, graph_timer=None) -> dict:
+    """The fused MoE kernels over a pool of FP8 blobs (--expert-dtype fp8) against the same kernels over the bf16
+    pool those blobs dequantise to: the outputs' bits (equal by construction) and the times, FP8 reading half the
+    bytes."""
+    from oled import fp8
+    from oled.kernels.triton_moe import DEFAULT_TILES, fused_swiglu_pairs
+
+    tiles = tiles or DEFAULT_TILES
+    g = torch.Generator().manual_seed(seed + 1000 * tokens + unique)
+    weights = torch.randn(slots, 3 * inter * hidden, generator=g) * hidden**-0.5
+    weights[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5
+    pool_fp8 = fp8.quantise_blobs(weights, hidden, inter).to(device)
+    pool_bf16 = fp8.dequantise_blobs(pool_fp8, hidden, inter, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    pairs = tokens * top_k
+    args = [(x, moe_routing(tokens, unique, slots, top_k, g).to(device),
+             torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
+
+    def over(pool):
+        return lambda x, pair_slots, out: fused_swiglu_pairs(x, pair_slots, pool, hidden, inter, out, tiles=tiles)
+
+    want, got = (torch.full_like(args[0][2], math.nan) for _ in range(2))
+    over(pool_bf16)(x, args[0][1], want)
+    over(pool_fp8)(x, args[0][1], got)
+    bf16_us, fp8_us = timer(over(pool_bf16), args), timer(over(pool_fp8), args)
+    fp8_bytes = unique * fp8.blob_bytes(hidden, inter)
+    bf16_bytes = unique * 3 * inter * hidden * 2
+    in_graph = {}
+    if graph_timer is not None:
+        in_graph = {"bf16_graph_us": graph_timer(over(pool_bf16), args[0]),
+                    "fp8_graph_us": graph_timer(over(pool_fp8), args[0])}
+    return {"case": "moe-fp8", "tokens": tokens, "top_k": top_k, "pairs": pairs, "unique_experts": unique,
+            "slots": slots, "hidden": hidden, "intermediate": inter, **in_graph,
+            "bf16_bytes": bf16_bytes, "fp8_bytes": fp8_bytes, "bf16_us": bf16_us, "fp8_us": fp8_us,
+            "speedup": bf16_us / fp8_us, "fp8_gbps": gbps(fp8_bytes, fp8_us), "peak_gbps": peak_gbps,
+            "fp8_floor_us": fp8_bytes / (peak_gbps * 1e9) * 1e6, "fp8": counter(over(pool_fp8), args[0]),
+            "check": compare_bits(want, got)}
 
 
 def mapped_case(misses, *, device, timer, counter, tokens=32, unique=32, experts=EXPERTS, hidden=MOE_HIDDEN,
@@ -785,6 +825,10 @@ def main(argv=None) -> int:
                                                                   counter=cuda_launches, tiles=tiles,
                                                                   peak_gbps=args.peak_gbps, graph_timer=cuda_graph_us)
                       for tiles in args.moe_tiles for s in MOE_SLOTS for t, u in MOE_ROUTING]
+        if "moe-fp8" in args.cases:
+            cases += [lambda t=t, u=u, s=s: moe_fp8_case(t, u, s, device="cuda", timer=timer, counter=cuda_launches,
+                                                         peak_gbps=args.peak_gbps, graph_timer=cuda_graph_us)
+                      for s in MOE_SLOTS for t, u in MOE_ROUTING]
         if "mapped" in args.cases:
             cases += [lambda m=m: mapped_case(m, device="cuda", timer=timer, counter=cuda_launches)
                       for m in MAPPED_MISSES]

@@ -502,7 +502,11 @@ def test_bench_cases_run_under_the_interpreter(k):
     assert conf["check"]["ok"] and conf["check"]["non_finite"]["ok"]
     assert conf["bytes"] == 9 * 3000 * 4 and conf["triton_gbps"] == pytest.approx(conf["bytes"] / 10e-6 / 1e9)
     assert conf["triton"]["launches"] == 1
-    json.dumps([router, conf])                                                           # one JSON line each
+    moe_fp8 = bench.moe_fp8_case(5, 4, 6, device="cpu", timer=timer, counter=counter, hidden=64, inter=32, top_k=2,
+                                 graph_timer=graph_timer)
+    assert moe_fp8["check"]["equal_fraction"] == 1.0                      # the bits of the dequantised pool's
+    assert moe_fp8["fp8_bytes"] * 2 > moe_fp8["bf16_bytes"] > moe_fp8["fp8_bytes"]  # half the weights, plus scales
+    json.dumps([router, conf, moe_fp8])                                                  # one JSON line each
 
 
 def test_host_read_probe_gathers_the_named_blobs(monkeypatch):
