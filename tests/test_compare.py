@@ -130,6 +130,7 @@ def test_teacher_forcing_replays_the_canvases_and_catches_a_divergence():
     ("expert_budget=abc", "expert budget 'abc'"),
     ("dtype=float16", "dtype 'float16' is not supported"),
     ("device=tpu", "unknown device"),
+    ("expert_dtype=fp16", "expert_dtype (--expert-dtype) must be one of bf16, fp8"),
 ])
 def test_bad_candidate_is_one_line_and_exit_2_before_any_model(capsys, no_loading, item, words):
     assert main(["compare", "--random-weights", "tiny", "--device", "cpu", "--candidate", item]) == 2

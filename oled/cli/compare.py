@@ -16,6 +16,7 @@ from ..bench import workloads
 from ..bench.teacher_forced import compare
 from ..config import SECTIONS, SETTING_NAMES, EngineConfig
 from ..engine import check_dtype, pick_device
+from ..fp8 import check_expert_dtype
 from ..policies.spec import PolicySpec
 from ..runtime.budget import parse_spec
 from .common import FIELDS, TYPES, add_decode_args, add_settings, decode_params, positive_int
@@ -111,6 +112,7 @@ def configuration(args, items: list[str], flag: str, defaults: dict) -> EngineCo
     PolicySpec.parse(cfg.policy, live=True)         # the engine checks these too, but only once it is built: the
     parse_spec(cfg.expert_budget)                   # candidate's after the reference has run
     check_dtype(cfg.dtype)
+    check_expert_dtype(cfg.expert_dtype)
     pick_device(cfg.device)
     return cfg
 
