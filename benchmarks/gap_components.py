@@ -47,8 +47,7 @@ def components(trace: Trace, rows: list[dict], costs: CostModel, budgets: list[s
     if full is None:
         raise ValueError(f"the grid has no live `{REFERENCE}` row: the layers' compute comes from its forward")
     forward_ms = median(full, "ms_per_forward")
-    max_tokens = max(int(run.tokens.max()) for run in demand.runs if len(run.tokens))
-    table = CostTable.from_cost_model(costs, forward_ms / 1e3 / len(demand.layers), max_tokens,
+    table = CostTable.from_cost_model(costs, forward_ms / 1e3 / len(demand.layers), demand.max_tokens,
                                       f"{costs.source}; compute: full's {forward_ms:.4g} ms a forward")
     per_token = 1e3 / max(demand.tokens, 1)
     iteration_per_token = max(demand.iterations, 1) / max(demand.tokens, 1)

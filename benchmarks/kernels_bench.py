@@ -355,6 +355,17 @@ def confidence_case(rows, *, device, timer, counter, vocab=VOCAB, copies=1, seed
             "torch": counter(reference, inputs[0]), "triton": counter(kernel, inputs[0]), "check": check}
 
 
+def moe_inputs(tokens, unique, slots, hidden, top_k, copies, seed, device, inter):
+    """The MoE cases' draws, in one order: the pool's weights (unscaled normals [slots, 3 * inter * hidden], fp32 on
+    the CPU), the tokens x [tokens, hidden] bf16, and `copies` (x, pair slots with `unique` experts, output) calls."""
+    g = torch.Generator().manual_seed(seed + 1000 * tokens + unique)
+    raw = torch.randn(slots, 3 * inter * hidden, generator=g)
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    args = [(x, moe_routing(tokens, unique, slots, top_k, g).to(device),
+             torch.empty(tokens * top_k, hidden, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
+    return raw, x, args
+
+
 def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN, inter=MOE_INTER, top_k=MOE_TOP_K,
              tiles=None, copies=2, seed=0, peak_gbps=PEAK_GBPS, graph_timer=None) -> dict:
     from dataclasses import asdict
@@ -363,14 +374,11 @@ def moe_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HIDDEN
     from oled.runtime.grouped import grouped_swiglu
 
     tiles = tiles or DEFAULT_TILES
-    g = torch.Generator().manual_seed(seed + 1000 * tokens + unique)
-    pool = torch.randn(slots, 3 * inter * hidden, generator=g).to(device, torch.bfloat16) * hidden**-0.5
+    raw, x, args = moe_inputs(tokens, unique, slots, hidden, top_k, copies, seed, device, inter)
+    pool = raw.to(device, torch.bfloat16) * hidden**-0.5
     pool[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5                  # outputs O(1), as h is
-    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
     pairs = tokens * top_k
     pair_tokens = torch.arange(pairs, device=device) // top_k
-    args = [(x, moe_routing(tokens, unique, slots, top_k, g).to(device),
-             torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
 
     def reference(x, pair_slots, out):          # ExpertManager._grouped's torch path, every pair served
         order, y = grouped_swiglu(x, pair_tokens, pair_slots, pool, hidden, inter)
@@ -409,15 +417,12 @@ def moe_fp8_case(tokens, unique, slots, *, device, timer, counter, hidden=MOE_HI
     from oled.kernels.triton_moe import DEFAULT_TILES, fused_swiglu_pairs
 
     tiles = tiles or DEFAULT_TILES
-    g = torch.Generator().manual_seed(seed + 1000 * tokens + unique)
-    weights = torch.randn(slots, 3 * inter * hidden, generator=g) * hidden**-0.5
+    weights, x, args = moe_inputs(tokens, unique, slots, hidden, top_k, copies, seed, device, inter)
+    weights = weights * hidden**-0.5
     weights[:, 2 * inter * hidden:] *= (hidden / inter) ** 0.5
     pool_fp8 = fp8.quantise_blobs(weights, hidden, inter).to(device)
     pool_bf16 = fp8.dequantise_blobs(pool_fp8, hidden, inter, torch.bfloat16)
-    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
     pairs = tokens * top_k
-    args = [(x, moe_routing(tokens, unique, slots, top_k, g).to(device),
-             torch.empty(pairs, hidden, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
 
     def over(pool):
         return lambda x, pair_slots, out: fused_swiglu_pairs(x, pair_slots, pool, hidden, inter, out, tiles=tiles)

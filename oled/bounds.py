@@ -68,6 +68,11 @@ class Demand:
     iterations: int
     tokens: int
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens any run routes to one expert (what a cost table's CPU terms must cover)."""
+        return max((int(run.tokens.max()) for run in self.runs if len(run.tokens)), default=1)
+
     @classmethod
     def from_trace(cls, trace) -> "Demand":
         runs = []

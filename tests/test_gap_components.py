@@ -33,8 +33,7 @@ def test_the_components_add_up_to_the_gap_and_follow_the_replayed_misses():
     out = {o["policy"]: o for o in gaps.components(trace, rows, costs, ["0.25"], "shared")}
     assert set(out) == {"lru", "oled"}
     demand = Demand.from_trace(trace)
-    table = CostTable.from_cost_model(costs, 2.0 / 1e3 / len(demand.layers),
-                                      max(int(r.tokens.max()) for r in demand.runs), "test")
+    table = CostTable.from_cost_model(costs, 2.0 / 1e3 / len(demand.layers), demand.max_tokens, "test")
     for name, measured in (("lru", 9.0), ("oled", 8.0)):
         o = out[name]
         assert o["retention_ms"] + o["service_ms"] == pytest.approx(measured - 4.0)

@@ -29,7 +29,7 @@ def live_bound_rows(grid, engine, workload, model_info, reference) -> None:
     table = None
     if engine.costs is not None and forward_ms:
         table = CostTable.from_cost_model(engine.costs, forward_ms / 1e3 / len(c.moe_layers),
-                                          _max_tokens(demand), f"{engine.costs.source}; compute: {forward_ms:.4g} "
+                                          demand.max_tokens, f"{engine.costs.source}; compute: {forward_ms:.4g} "
                                           f"ms a forward, {compute}, split evenly over the MoE layers")
     add_bound_rows(grid, workload.name, workload.describe(), demand, table, model_info, engine=None,
                    decode=decode_dict(grid.cfg.decode, engine), prompts=[],
@@ -50,7 +50,7 @@ def replay_bound_rows(grid, trace, costs, wl_name, wl, model, header) -> None:
             runs = [run for run in demand.runs if run.timed and run.layer == layer]
             compute[layer] = float(np.mean([costs.gpu_expert_seconds_of(run.tokens).sum() for run in runs])
                                    if runs else 0.0)
-        table = CostTable.from_cost_model(costs, compute, _max_tokens(demand),
+        table = CostTable.from_cost_model(costs, compute, demand.max_tokens,
                                           f"{costs.source}; compute: the cost model's grouped GEMM of each "
                                           f"layer's experts (no attention)")
     add_bound_rows(grid, wl_name, wl, demand, table, model, engine=header.get("engine"),
@@ -80,6 +80,3 @@ def _ms(seconds):
     """Seconds (one figure or per layer) in milliseconds."""
     return {k: v * 1e3 for k, v in seconds.items()} if isinstance(seconds, dict) else seconds * 1e3
 
-
-def _max_tokens(demand: Demand) -> int:
-    return max((int(run.tokens.max()) for run in demand.runs if len(run.tokens)), default=1)

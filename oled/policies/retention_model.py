@@ -106,7 +106,7 @@ class RetentionModel:
         return features @ self.w
 
     def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items()}, indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def load(cls, source=None) -> "RetentionModel":
@@ -131,7 +131,7 @@ def trace_samples(trace) -> tuple[np.ndarray, np.ndarray]:
     inf where never), the features as RetentionFeatures has them after the run."""
     demand = Demand.from_trace(trace)
     features = RetentionFeatures(demand.layers, int(trace.header["model"]["num_experts"]))
-    X = []
+    X, position, runs_of = [], [], {}        # position: each run's index among its layer's runs
     request = None
     for r, run in enumerate(demand.runs):
         f = int(trace.run_forward[r])
@@ -140,18 +140,15 @@ def trace_samples(trace) -> tuple[np.ndarray, np.ndarray]:
             features.reset()
         features.observe(run.layer, run.experts, run.tokens, (request, int(trace.fwd_block_start[f])))
         X.append(features.matrix(run.layer))
-    # next uses, walking each layer's runs backwards
+        position.append(runs_of.get(run.layer, 0))
+        runs_of[run.layer] = position[-1] + 1
     D = [None] * len(demand.runs)
-    index: dict[int, int] = {}          # layer -> its runs seen so far (backwards)
-    nxt: dict[int, np.ndarray] = {}     # layer -> per expert, the index of its next run using it
-    counts = {layer: sum(run.layer == layer for run in demand.runs) for layer in demand.layers}
+    ahead: dict[int, np.ndarray] = {}      # layer -> per expert, the position of its next run using it
     for r in range(len(demand.runs) - 1, -1, -1):
         run = demand.runs[r]
-        i = counts[run.layer] - 1 - index.get(run.layer, 0)
-        index[run.layer] = index.get(run.layer, 0) + 1
-        ahead = nxt.setdefault(run.layer, np.full(features.num_experts, np.inf))
-        D[r] = ahead - i
-        ahead[run.experts] = i
+        nxt = ahead.setdefault(run.layer, np.full(features.num_experts, np.inf))
+        D[r] = nxt - position[r]
+        nxt[run.experts] = position[r]
     return np.concatenate(X), np.concatenate(D)
 
 
