@@ -198,9 +198,12 @@ if has gaps-ab; then
   done
 fi
 if has house-ab; then
-  git worktree add -f /tmp/house-ref ${AB_REF:-HEAD} > /dev/null 2>&1 || echo "house-ab: no worktree of ${AB_REF:-HEAD}"
+  # AB_DIR: AB_REF's tree exported beforehand (git archive) and carried, for a checkout sent without its history
+  ref_dir=${AB_DIR:+$PWD/$AB_DIR}
+  [ -n "$ref_dir" ] || { ref_dir=/tmp/house-ref; git worktree add -f $ref_dir ${AB_REF:-HEAD} > /dev/null 2>&1 \
+    || echo "house-ab: no worktree of ${AB_REF:-HEAD}"; }
   for side in ref tree; do
-    dir=$PWD; [ $side = ref ] && dir=/tmp/house-ref
+    dir=$PWD; [ $side = ref ] && dir=$ref_dir
     start=$(date +%s)
     ( cd $dir && PYTHONPATH=$dir timeout ${HOUSE_GRID_S:-200} python3 -m oled.cli bench $GRID \
         --policies ${GRID_POLICIES:-$ALL_POLICIES} --out $R/house-grid-$side ) > $R/house-grid-$side.log 2>&1

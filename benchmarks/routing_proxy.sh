@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The routing proxy (BENCHMARKS.md section 11) in one device call of under 10 minutes: train it, choose the commit
+# The routing proxy (BENCHMARKS.md, "Routing proxy") in one device call of under 10 minutes: train it, choose the commit
 # threshold that gives LLaDA2.0-mini's tokens per forward on a calibration set, record the chat, math and code traces
 # at that threshold, and print their statistics beside LLaDA2.0-mini's published ones.
 #

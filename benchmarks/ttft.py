@@ -84,12 +84,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", default="32,512,2048")
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--expert-dtype", default="bf16", help="bf16 or fp8 (the engine's --expert-dtype)")
     add_fused_args(ap)                        # the engine's --[no-]fused flags, its default where none is given
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     kernels = fused_fields(args)
     engine = Engine(EngineConfig(random_weights=args.random_weights, layers=args.layers, device=args.device,
-                                 policy="full", **kernels))
+                                 policy="full", expert_dtype=args.expert_dtype, **kernels))
     gbps = h2d_gbps(engine.store, engine.device) if engine.device.type == "cuda" else float("nan")
     params = DecodeParams(gen_length=args.block_length, block_length=args.block_length)
     out = open(args.out, "w") if args.out else None
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
                     over_bound["ttft_over_serial_bound"] = med["ttft_s"] / serial
                 record = {"bench": "ttft", "model": engine.model_name, "policy": args.policy, "budget": budget,
                           "prompt_tokens": len(ids), "h2d_gbps": gbps, "repeats": args.repeats,
+                          "expert_dtype": args.expert_dtype,
                           "kernels": [k for k, on in engine.kernels.items() if on], **med,
                           "prefill_over_floor": med["prefill_s"] / med["prefill_floor_s"]
                           if med["prefill_floor_s"] > 0 else None,
