@@ -520,3 +520,27 @@ def test_replay_takes_the_cost_model_of_a_gzipped_grid(tmp_path):
     bad.write_text("garbage")
     with pytest.raises(ValueError, match=f"{bad}: malformed cost model"):
         CostModel.from_file(bad)
+
+
+def test_bounds_without_a_full_row_take_a_warm_reference_pass(tmp_path, monkeypatch):
+    from oled.bench.live import LiveRuns
+
+    calls = []
+    generate = LiveRuns._generate
+
+    def counting(self, engine, request, ids, stand_in=None, timer=None):
+        calls.append(engine.policy.name)
+        return generate(self, engine, request, ids, stand_in=stand_in, timer=timer)
+
+    monkeypatch.setattr(LiveRuns, "_generate", counting)
+    rows = run_bench(_cfg(tmp_path, policies=["lru:misses=cooperative"], budgets=["0.5"], prompts=2, warmup=0,
+                          profile=False, cpu_threads=1))
+    assert calls.count("full") == 3                 # the warm-up prompt, then the timed pass over both prompts
+    bounds = [r for r in rows if r["policy"].startswith("bound:demand")]
+    assert bounds and all("after a warm-up prompt" in r["cost_table"]["source"] for r in bounds)
+    calls.clear()
+    rows = run_bench(_cfg(tmp_path, policies=["full", "lru:misses=cooperative"], budgets=["0.5"], prompts=2,
+                          warmup=0, profile=False, cpu_threads=1))
+    assert calls.count("full") == 2 + 2             # the reference pass and full's own timed row, no warm-up
+    bounds = [r for r in rows if r["policy"].startswith("bound:demand")]
+    assert bounds and all("full's grid row" in r["cost_table"]["source"] for r in bounds)

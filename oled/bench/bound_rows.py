@@ -23,7 +23,7 @@ def live_bound_rows(grid, engine, workload, model_info, reference) -> None:
     c = engine.config
     demand = Demand.from_records(reference.records, list(c.moe_layers), c.top_k, reference.tokens)
     full = next((r for r in grid.rows if r["policy"] == "full" and r["workload"]["name"] == workload.name), None)
-    forward_ms, compute = reference.forward_ms, "the reference pass's (one untimed-protocol pass of full)"
+    forward_ms, compute = reference.forward_ms, "the reference pass's (one pass of full after a warm-up prompt)"
     if full is not None and (full["metrics"].get("ms_per_forward") or {}).get("median"):
         forward_ms, compute = full["metrics"]["ms_per_forward"]["median"], "full's grid row (median of repeats)"
     table = None
