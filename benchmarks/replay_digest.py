@@ -25,10 +25,10 @@ from oled.trace import Trace, replay
 POLICIES = ("lru", "lfu", "tide", "belady", "oled", "oled-retain", "oled-coop", "lru:misses=cooperative")
 
 
-def digest(mgr) -> str:
+def digest(mgr, counters=COUNTERS) -> str:
     h = hashlib.sha256()
     for r in mgr.stats.records:
-        row = [r.forward, r.kind, r.layer, *(getattr(r, c) for c in COUNTERS), sorted(r.expert_tokens.items())]
+        row = [r.forward, r.kind, r.layer, *(getattr(r, c) for c in counters), sorted(r.expert_tokens.items())]
         h.update(json.dumps(row).encode())
     h.update(mgr.residency.cache.table.tobytes())
     return h.hexdigest()[:16]
@@ -42,7 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.6,0.4,0.25")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", help="also write the lines here")
+    ap.add_argument("--without-counters", default="",
+                    help="counters left out of the digest (comma-separated): those a commit compared with lacks")
     args = ap.parse_args(argv)
+    left_out = set(filter(None, args.without_counters.split(",")))
+    if left_out - set(COUNTERS):
+        ap.error(f"--without-counters: no such counter {sorted(left_out - set(COUNTERS))}; counters: {COUNTERS}")
+    counters = tuple(c for c in COUNTERS if c not in left_out)
     costs = CostModel.from_file(args.results)
     trace = Trace.load(args.trace).first_requests(args.requests)
     capture = EngineConfig.capture_slots
@@ -58,7 +64,7 @@ def main(argv=None) -> int:
                              **options)
                 recs = [r for r in mgr.stats.records if r.kind == "iteration"]
                 hit = sum(r.pairs_hit for r in recs) / max(sum(r.pairs for r in recs), 1)
-                lines.append(f"{spec:24s} {budget:>5s} {path:17s} {digest(mgr)}  loads {sum(r.loads for r in recs):6d}"
+                lines.append(f"{spec:24s} {budget:>5s} {path:17s} {digest(mgr, counters)}  loads {sum(r.loads for r in recs):6d}"
                              f"  token hit rate {hit:.4f}")
                 print(lines[-1], flush=True)
     if args.out:
