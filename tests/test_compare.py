@@ -54,6 +54,7 @@ def test_same_configuration_is_exact_through_the_cli(tmp_path, capsys):
     total = result["total"]
     assert total["positions"] > 0 and total["forwards"] == len(result["prompts"][0]["forwards"])
     assert (total["max_abs"], total["mean_abs"], total["argmax_agreement"]) == (0.0, 0.0, 1.0)
+    assert total["committed_positions"] > 0 and total["committed_agreement"] == 1.0
     assert total["free_token_agreement"] == 1.0 and total["free_tokens_equal"]
     assert result["reference"]["engine"]["policy"] == "full" and result["candidate"]["engine"]["policy"] == "full"
     table = capsys.readouterr().out.splitlines()
@@ -110,7 +111,18 @@ def test_teacher_forcing_replays_the_canvases_and_catches_a_divergence():
                if f.logits is not None)
     forced = record(engine, ids, params, teacher=Teacher(ref))
     assert [f.tokens.tolist() for f in forced.forwards] == [f.tokens.tolist() for f in ref.forwards]
-    assert all(d.max_abs == 0.0 and d.argmax_equal == d.positions for d in compare_recordings(ref, forced))
+    diffs = compare_recordings(ref, forced)
+    assert all(d.max_abs == 0.0 and d.argmax_equal == d.positions and d.committed_equal == d.committed for d in diffs)
+    assert [d.committed for d in diffs] == [int(it.commit.sum()) for it in ref.iterations]
+    assert sum(d.committed for d in diffs) == plain.committed
+    # a candidate whose logits at one committed position prefer another token: one committed disagreement
+    k = next(i for i, f in enumerate(forced.forwards) if f.logits is not None)
+    it = ref.iterations[0]
+    row = int(np.flatnonzero(it.commit[forced.forwards[k].masked])[0])
+    forced.forwards[k].logits = forced.forwards[k].logits.copy()
+    forced.forwards[k].logits[row, forced.forwards[k].logits[row].argmin()] = 1e9
+    first = compare_recordings(ref, forced)[0]
+    assert (first.committed - first.committed_equal, first.positions - first.argmax_equal) == (1, 1)
     forced.forwards[-1].tokens[-1] += 1
     with pytest.raises(TeacherForcingError, match="another canvas"):
         compare_recordings(ref, forced)

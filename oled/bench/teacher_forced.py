@@ -4,8 +4,9 @@ The reference decodes each prompt normally; every forward's input (the canvas fe
 at the masked positions of the block are recorded, with every iteration's commits. The candidate then decodes the
 same prompts with the reference's commits in place of its own (a `commits` source of the decoding loop), so its KV
 cache and its policy's state follow the same committed tokens and it is fed exactly the reference's canvases in the
-reference's order: its logits are compared forward by forward without diverging sequences. A free candidate run
-then says how much the generated tokens themselves change.
+reference's order: its logits are compared forward by forward without diverging sequences, over every masked
+position and over the positions the reference commits in that iteration (where a different argmax would commit
+another token). A free candidate run then says how much the generated tokens themselves change.
 
 Bookkeeping is NumPy on the host; the engines are built one after the other (one model in memory at a time).
 """
@@ -40,6 +41,7 @@ class ForwardRecord:
     rows: slice | None                   # the rows of `tokens` whose logits the forward returns (None: none)
     tokens: np.ndarray                   # the canvas fed, mask tokens included
     logits: np.ndarray | None = None     # fp32 [masked rows, vocab]: the logits the decoder reads (iterations)
+    masked: np.ndarray | None = None     # bool [rows]: which rows of the window are masks (the logits' rows)
 
 
 @dataclass
@@ -94,8 +96,8 @@ class CanvasRecorder:
             return
         rec, copy = self._pending
         self._pending = None
-        masked = rec.tokens[rec.rows] == self.mask_id
-        rec.logits = np.array(copy.wait()[masked], dtype=np.float32)      # a copy: the pinned buffer is reused
+        rec.masked = rec.tokens[rec.rows] == self.mask_id
+        rec.logits = np.array(copy.wait()[rec.masked], dtype=np.float32)  # a copy: the pinned buffer is reused
 
 
 class Teacher:
@@ -144,17 +146,21 @@ class LogitDiff:
     max_abs: float
     sum_abs: float                       # over positions x vocabulary (for the means)
     argmax_equal: int                    # positions whose argmax is the reference's
+    committed: int                       # positions the reference committed in this iteration
+    committed_equal: int                 # of those, the positions whose argmax is the reference's
 
     @property
     def elements(self) -> int:
         return self.positions * self.vocab
 
 
-def logit_diff(ref: np.ndarray, cand: np.ndarray) -> tuple[float, float, int]:
-    """(largest |difference|, sum of |differences|, rows with the same argmax) of two [rows, vocab] arrays."""
+def logit_diff(ref: np.ndarray, cand: np.ndarray, committed: np.ndarray) -> tuple[float, float, int, int, int]:
+    """(largest |difference|, sum of |differences|, rows with the same argmax, committed rows, committed rows with the
+    same argmax) of two [rows, vocab] arrays, `committed` a bool [rows]."""
     diff = np.abs(ref.astype(np.float64) - cand.astype(np.float64))
-    same = int((ref.argmax(axis=1) == cand.argmax(axis=1)).sum())
-    return (float(diff.max()) if diff.size else 0.0), float(diff.sum()), same
+    same = ref.argmax(axis=1) == cand.argmax(axis=1)
+    return ((float(diff.max()) if diff.size else 0.0), float(diff.sum()), int(same.sum()), int(committed.sum()),
+            int(same[committed].sum()))
 
 
 def compare_recordings(ref: Recording, cand: Recording) -> list[LogitDiff]:
@@ -170,8 +176,11 @@ def compare_recordings(ref: Recording, cand: Recording) -> list[LogitDiff]:
         if a.logits is None:
             continue
         it = next(iterations)
-        biggest, total, same = logit_diff(a.logits, b.logits)
-        diffs.append(LogitDiff(n, it.block, it.step, *a.logits.shape, biggest, total, same))
+        if len(it.commit) != len(a.masked):
+            raise TeacherForcingError(f"forward {n}: its commits cover {len(it.commit)} positions, its logits' window "
+                                      f"{len(a.masked)}")
+        diffs.append(LogitDiff(n, it.block, it.step, *a.logits.shape,
+                               *logit_diff(a.logits, b.logits, it.commit[a.masked])))
     return diffs
 
 
@@ -191,7 +200,9 @@ def summarize(diffs: list[LogitDiff]) -> dict:
     return {"forwards": len(diffs), "positions": positions,
             "max_abs": max((d.max_abs for d in diffs), default=0.0),
             "mean_abs": sum(d.sum_abs for d in diffs) / elements if elements else 0.0,
-            "argmax_agreement": fraction(sum(d.argmax_equal for d in diffs), positions)}
+            "argmax_agreement": fraction(sum(d.argmax_equal for d in diffs), positions),
+            "committed_positions": sum(d.committed for d in diffs),
+            "committed_agreement": fraction(sum(d.committed_equal for d in diffs), sum(d.committed for d in diffs))}
 
 
 @dataclass

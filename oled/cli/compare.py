@@ -127,7 +127,8 @@ def prompts_of(args, tokenizer=None) -> list:
 
 COLUMNS = (("prompt", "id", "{}"), ("forwards", "forwards", "{}"), ("positions", "positions", "{}"),
            ("max |dlogit|", "max_abs", "{:.3e}"), ("mean |dlogit|", "mean_abs", "{:.3e}"),
-           ("argmax agree", "argmax_agreement", "{:.4%}"), ("free tokens agree", "free_token_agreement", "{:.2%}"))
+           ("argmax agree", "argmax_agreement", "{:.4%}"), ("committed agree", "committed_agreement", "{:.4%}"),
+           ("free tokens agree", "free_token_agreement", "{:.2%}"))
 
 
 def table(rows: list[dict]) -> str:
