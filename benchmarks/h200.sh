@@ -202,6 +202,7 @@ if has house-ab; then
   ref_dir=${AB_DIR:+$PWD/$AB_DIR}
   [ -n "$ref_dir" ] || { ref_dir=/tmp/house-ref; git worktree add -f $ref_dir ${AB_REF:-HEAD} > /dev/null 2>&1 \
     || echo "house-ab: no worktree of ${AB_REF:-HEAD}"; }
+  tree=$PWD         # the trace is the tree's: a subshell's $PWD is the side's folder
   for side in ref tree; do
     dir=$PWD; [ $side = ref ] && dir=$ref_dir
     start=$(date +%s)
@@ -210,7 +211,7 @@ if has house-ab; then
     echo "house-ab grid $side rc=$? in $(( $(date +%s) - start )) s"; tail -2 $R/house-grid-$side.log
     start=$(date +%s)
     ( cd $dir && PYTHONPATH=$dir timeout ${HOUSE_ROUTING_S:-120} python3 -m oled.cli bench \
-        --routing $PWD/${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} --random-weights llada2-mini \
+        --routing $tree/${ROUTING_TRACE:-benchmarks/traces/proxy-chat.trace} --random-weights llada2-mini \
         --policies ${HOUSE_ROUTING_POLICIES:-full,lru,lfu,oled,oled-retain} --budgets ${HOUSE_ROUTING_BUDGETS:-1.0,0.4} \
         --prompts ${HOUSE_ROUTING_PROMPTS:-1} \
         --repeats 1 --warmup 1 --no-profile --no-progress $GRAPHS --out $R/house-routing-$side ) \
