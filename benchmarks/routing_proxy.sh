@@ -17,7 +17,9 @@
 #                proxy's busiest expert at several times the mean load after the steps one call allows; a faster
 #                rate balances within them, and balanced experts spread a block's tokens (its masked positions, which
 #                look alike to a briefly trained model, most of all) over more experts
-#   TRAIN_ARGS   further oled.train.tiny flags (batch, warm-up); PROXY_MODEL the geometry (KEY=VALUE ...)
+#   TRAIN_ARGS   further oled.train.tiny flags (batch, warm-up); PROXY_MODEL the geometry (KEY=VALUE ...); the
+#                default with num_hidden_layers=32 is LLaDA2.0-flash's routing geometry (31 MoE layers, the rest as
+#                mini's), whose traces replay with `oled bench --routing TRACE --random-weights llada2-flash`
 #   THRESHOLDS, REFINE, CALIBRATION, CAL_GEN   the threshold sweep (benchmarks/proxy_threshold.py)
 #   GEN, SHORT_GEN, {CHAT,MATH,CODE}_PROMPTS, MIN_PROMPTS   the recorded traces: PROMPTS requests of GEN tokens;
 #                a trace over MAX_TRACE_MB keeps its first requests down to MIN_PROMPTS, then is recorded again with
