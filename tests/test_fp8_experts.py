@@ -142,6 +142,24 @@ def test_fp8_kernels_give_the_bits_of_the_kernels_over_the_dequantised_weights(m
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-8 * float(want.abs().max()))
 
 
+def test_the_cpu_path_dequantises_only_the_slots_with_pairs(monkeypatch):
+    """On the CPU the torch path widens only the FP8 slots that pairs use (a pool of LLaDA2.0-flash's experts is
+    6 GiB dequantised), with the same result as widening the whole pool; no pair in a slot gives no work."""
+    pool = fp8.quantise_blobs(expert_blobs(16, seed=3), H, I)
+    x = inputs(3, torch.float32, seed=5)
+    pair_slots = torch.tensor([9, 2, -1, 9, 14, 2])                       # 3 tokens x k = 2; slots 2, 9, 14
+    widened = []
+    dequantise = fp8.dequantise_blobs
+    monkeypatch.setattr(fp8, "dequantise_blobs", lambda b, *a: widened.append(len(b)) or dequantise(b, *a))
+    order, y = grouped_swiglu(x, torch.arange(6) // 2, pair_slots, pool, H, I)
+    assert widened == [3]
+    ref_order, ref = grouped_swiglu(x, torch.arange(6) // 2, pair_slots, dequantise(pool, H, I, torch.float32), H, I)
+    served = int((pair_slots >= 0).sum())
+    assert torch.equal(order, ref_order) and torch.equal(y[:served], ref[:served])
+    order, y = grouped_swiglu(x, torch.arange(6) // 2, torch.full((6,), -1), pool, H, I)
+    assert widened == [3] and y.shape == (6, H)
+
+
 def test_fp8_misses_read_from_host_memory_and_captured_equal_the_slots(moe):
     """Mapped misses from FP8 blobs in host memory give the bits of the same experts in slots; a captured miss lands
     in its free slot byte for byte (weights and scales), so a later load of it is never needed."""

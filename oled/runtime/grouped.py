@@ -20,13 +20,21 @@ def grouped_swiglu(x: torch.Tensor, pair_tokens: torch.Tensor, pair_slots: torch
     """
     n_slots = pool.shape[0]
     H, I = hidden, intermediate
-    if fp8.is_fp8_blob(pool):
-        pool = fp8.dequantise_blobs(pool, H, I, x.dtype)
     key = torch.where(pair_slots >= 0, pair_slots - slot_base, n_slots)
     order = torch.argsort(key, stable=True)
     # scatter_add rather than bincount: bincount on CUDA reads the maximum back to the host (a sync per layer)
     counts = torch.zeros(n_slots + 1, dtype=torch.int64, device=key.device).scatter_add_(
         0, key, torch.ones_like(key))[:n_slots]
+    if fp8.is_fp8_blob(pool):
+        if pool.device.type == "cpu":
+            # only the slots with pairs (a layer of LLaDA2.0-flash's experts is 6 GiB dequantised): empty groups
+            # dropped, the others keep their order; on CUDA the whole pool, as no host sync may decide the shape
+            active = torch.nonzero(counts).flatten()
+            pool, counts = pool.index_select(0, active), counts.index_select(0, active)
+            n_slots = len(active)
+            if not n_slots:
+                return order, x.new_zeros(pair_slots.shape[0], H)
+        pool = fp8.dequantise_blobs(pool, H, I, x.dtype)
     offs = counts.cumsum(0).to(torch.int32)
     xs = x.index_select(0, pair_tokens.index_select(0, order))
     gate_up = pool[:, : 2 * I * H].view(n_slots, 2 * I, H)   # gate rows then up rows: one fused [2I, H] matrix
