@@ -147,8 +147,8 @@ class Engine:
         if old is not None:
             old.close()
             del old
+            gc.collect()                 # the pool's last references may sit in cycles (on the CPU it is host memory)
             if self.device.type == "cuda":
-                gc.collect()
                 torch.cuda.empty_cache()
         self.budget = parse_budget(expert_budget, num_layers=len(self.config.moe_layers),
                                    num_experts=self.config.num_experts, expert_bytes=self.store.expert_bytes)

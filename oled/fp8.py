@@ -44,9 +44,11 @@ def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w32 / scale[:, None]).to(FP8), scale
 
 
-def dequantise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q [..., out, in] e4m3, scale [..., out] -> the weights in dtype (exact: the scales are powers of two)."""
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+def dequantise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """q [..., out, in] e4m3, scale [..., out] -> the weights in dtype (bf16 or fp32), into `out` if given. Exact,
+    and computed in dtype: e4m3 values and power-of-two scales are exact in bf16, and so is their product."""
+    return torch.mul(q.to(dtype), scale.to(dtype).unsqueeze(-1), out=out)
 
 
 def blob_views(blob: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +71,13 @@ def dequantise_blobs(blobs: torch.Tensor, hidden: int, inter: int, dtype: torch.
     """FP8 blobs [S, blob_bytes] (or one [blob_bytes]) -> the same experts as bf16-layout blobs [S, 3 * I * H] (or
     [3 * I * H]) in dtype, gate | up | down: what the torch path and the references compute with."""
     q, scales = blob_views(blobs, hidden, inter)
-    lead = q.shape[:-1]
-    gate_up = dequantise(q[..., :2 * inter * hidden].reshape(*lead, 2 * inter, hidden), scales[..., :2 * inter], dtype)
-    down = dequantise(q[..., 2 * inter * hidden:].reshape(*lead, hidden, inter), scales[..., 2 * inter:], dtype)
-    return torch.cat([gate_up.reshape(*lead, -1), down.reshape(*lead, -1)], dim=-1)
+    lead, n = q.shape[:-1], 2 * inter * hidden
+    out = torch.empty(*lead, 3 * inter * hidden, dtype=dtype, device=blobs.device)
+    dequantise(q[..., :n].reshape(*lead, 2 * inter, hidden), scales[..., :2 * inter], dtype,
+               out=out[..., :n].view(*lead, 2 * inter, hidden))
+    dequantise(q[..., n:].reshape(*lead, hidden, inter), scales[..., 2 * inter:], dtype,
+               out=out[..., n:].view(*lead, hidden, inter))
+    return out
 
 
 def quantise_blobs(blobs: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
