@@ -64,8 +64,8 @@ def main(argv=None) -> int:
                              **options)
                 recs = [r for r in mgr.stats.records if r.kind == "iteration"]
                 hit = sum(r.pairs_hit for r in recs) / max(sum(r.pairs for r in recs), 1)
-                lines.append(f"{spec:24s} {budget:>5s} {path:17s} {digest(mgr, counters)}  loads {sum(r.loads for r in recs):6d}"
-                             f"  token hit rate {hit:.4f}")
+                lines.append(f"{spec:24s} {budget:>5s} {path:17s} {digest(mgr, counters)}  "
+                             f"loads {sum(r.loads for r in recs):6d}  token hit rate {hit:.4f}")
                 print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
